@@ -1,0 +1,20 @@
+"""fitdp: a Keras-style trainer for PyTorch with a real data-parallel executor manager.
+
+Example:
+    >>> import fitdp, torch
+    >>> model = fitdp.Model(torch.nn.Linear(4, 2))
+    >>> model.compile(optimizer="sgd", loss="cross_entropy")
+"""
+
+from fitdp import callbacks, executor
+from fitdp.batch import DataBatch, DataDesc
+from fitdp.bucketing import BucketIterator
+from fitdp.model import Model
+from fitdp.monitor import Monitor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BucketIterator", "DataBatch", "DataDesc", "Model", "Monitor", "__version__", "callbacks",
+    "executor",
+]

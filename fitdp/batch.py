@@ -1,0 +1,131 @@
+"""`DataBatch` and `DataDesc`: what flows from a data source into the executor manager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Union
+
+import torch
+
+# A batch's inputs: one tensor, a tuple/list of tensors (``module(*x)``) or a dict (``module(**x)``).
+Inputs = Union[torch.Tensor, Sequence[torch.Tensor], Mapping[str, torch.Tensor]]
+
+
+class DataDesc(NamedTuple):
+    """Name, shape, dtype and layout of one input, like MXNet's ``DataDesc``.
+
+    Example:
+        >>> DataDesc("data", (32, 16), torch.int64)
+        DataDesc(name='data', shape=(32, 16), dtype=torch.int64, layout='NT')
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    layout: str = "NT"
+
+
+def tree_map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """Apply ``fn`` to every tensor of a tensor, tuple/list or dict of tensors."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, Mapping):
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(tree_map(fn, v) for v in tree)
+    return tree
+
+
+def tree_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a tensor, tuple/list or dict of tensors, in a fixed order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, Mapping):
+        return [t for v in tree.values() for t in tree_leaves(v)]
+    if isinstance(tree, (tuple, list)):
+        return [t for v in tree for t in tree_leaves(v)]
+    return []
+
+
+def tree_names(tree: Any, prefix: str) -> list[str]:
+    """Names for the leaves of ``tree`` (``data``, ``data1``..., or the dict keys)."""
+    if isinstance(tree, torch.Tensor):
+        return [prefix]
+    if isinstance(tree, Mapping):
+        return [n for k, v in tree.items() for n in tree_names(v, str(k))]
+    if isinstance(tree, (tuple, list)):
+        return [n for i, v in enumerate(tree) for n in tree_names(v, f"{prefix}{i}")]
+    return []
+
+
+def tree_structure(tree: Any) -> Any:
+    """A hashable description of a tree's nesting and leaf trailing shapes' rank and dtype."""
+    if isinstance(tree, torch.Tensor):
+        return ("T", tree.dim(), tree.dtype)
+    if isinstance(tree, Mapping):
+        return ("D", tuple((k, tree_structure(v)) for k, v in tree.items()))
+    if isinstance(tree, (tuple, list)):
+        return ("L", tuple(tree_structure(v) for v in tree))
+    return ("?", type(tree).__name__)
+
+
+def tree_cat(trees: Sequence[Any]) -> Any:
+    """Concatenate a list of same-structure trees along dim 0."""
+    first = trees[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(trees))
+    if isinstance(first, Mapping):
+        return {k: tree_cat([t[k] for t in trees]) for k in first}
+    return type(first)(tree_cat([t[i] for t in trees]) for i in range(len(first)))
+
+
+def batch_length(tree: Any) -> int:
+    """Number of samples (size of dim 0) of a tree of tensors."""
+    leaves = tree_leaves(tree)
+    if not leaves:
+        raise TypeError(f"a batch must hold at least one tensor, got {type(tree).__name__}")
+    return int(leaves[0].shape[0]) if leaves[0].dim() else 1
+
+
+@dataclass
+class DataBatch:
+    """One batch: inputs, labels, the bucket it belongs to and how many rows are padding.
+
+    Args:
+        data: a tensor, a tuple/list of tensors (passed as ``module(*data)``) or a dict
+            (``module(**data)``); dim 0 is the batch.
+        label: the targets (tensor or tuple of tensors), or None when predicting.
+        bucket_key: hashable key of the executor group that runs this batch (None: default).
+        pad: rows at the end of the batch that are padding and are ignored in outputs.
+        index: optional original sample indices of the rows (used to restore predict order).
+
+    Example:
+        >>> b = DataBatch(torch.zeros(4, 3), torch.zeros(4, dtype=torch.long))
+        >>> b.batch_size
+        4
+    """
+
+    data: Inputs
+    label: Any = None
+    bucket_key: Hashable | None = None
+    pad: int = 0
+    index: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return batch_length(self.data)
+
+    @property
+    def provide_data(self) -> list[DataDesc]:
+        return [
+            DataDesc(n, tuple(t.shape), t.dtype)
+            for n, t in zip(tree_names(self.data, "data"), tree_leaves(self.data))
+        ]
+
+    @property
+    def provide_label(self) -> list[DataDesc]:
+        return [
+            DataDesc(n, tuple(t.shape), t.dtype)
+            for n, t in zip(tree_names(self.label, "label"), tree_leaves(self.label))
+        ]

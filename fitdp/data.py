@@ -1,0 +1,253 @@
+"""Data sources: every form ``fit``/``evaluate``/``predict`` accept, as epochs of DataBatch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from fitdp.batch import DataBatch, batch_length, tree_map, tree_structure
+
+
+def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    # Mix seed and epoch so that every epoch (and every seed) has its own order.
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) % (2**63))
+
+
+def as_tensors(x: Any, name: str) -> Any:
+    """numpy arrays -> tensors (float64 -> float32, as Keras does); validate the nesting."""
+    if isinstance(x, np.ndarray):
+        t = torch.from_numpy(x)
+        return t.float() if t.dtype == torch.float64 else t
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, Mapping):
+        return {k: as_tensors(v, f"{name}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, (tuple, list)) and x and all(
+        isinstance(v, (torch.Tensor, np.ndarray, Mapping, tuple, list)) for v in x
+    ):
+        return tuple(as_tensors(v, f"{name}[{i}]") for i, v in enumerate(x))
+    raise TypeError(
+        f"{name}: got {type(x).__name__}; expected a tensor, a numpy array, or a tuple/list/dict "
+        f"of them"
+    )
+
+
+class TensorSource:
+    """In-memory tensors, batched by slicing a permuted copy once per epoch (no collate).
+
+    Example:
+        >>> src = TensorSource(torch.arange(5.0), None, batch_size=2, shuffle=False)
+        >>> [b.data.tolist() for b in src]
+        [[0.0, 1.0], [2.0, 3.0], [4.0]]
+    """
+
+    def __init__(
+        self, x: Any, y: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0
+    ) -> None:
+        self.x, self.y = x, y
+        self.num_samples = batch_length(x)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    def __iter__(self) -> Iterator[DataBatch]:
+        index = (
+            torch.randperm(self.num_samples, generator=_epoch_generator(self.seed, self.epoch))
+            if self.shuffle
+            else torch.arange(self.num_samples)
+        )
+        # One gather per epoch, then every batch is a view: the cheapest way to batch tensors.
+        x = tree_map(lambda t: t[index], self.x) if self.shuffle else self.x
+        y = tree_map(lambda t: t[index], self.y) if self.shuffle else self.y
+        bs = self.batch_size
+        while self.position < len(self):
+            sl = slice(self.position * bs, (self.position + 1) * bs)
+            self.position += 1
+            yield DataBatch(
+                tree_map(lambda t: t[sl], x),
+                None if y is None else tree_map(lambda t: t[sl], y),
+                index=index[sl],
+            )
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+
+
+class LoaderSource:
+    """A user's DataLoader (or any re-iterable of ``(x, y)`` batches), used as it is.
+
+    Checks that every batch has the structure of the first one, so a loader that changes
+    shape mid-epoch fails with a clear message instead of deep inside the model.
+    """
+
+    def __init__(self, loader: Iterable[Any], *, has_labels: bool = True) -> None:
+        self.loader = loader
+        self.has_labels = has_labels
+        self.structure: Any = None
+        self.epoch = 0
+        self.position = 0
+        self.num_samples = _maybe_len(getattr(loader, "dataset", None))
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    def __iter__(self) -> Iterator[DataBatch]:
+        for i, item in enumerate(self.loader):
+            if i < self.position:
+                continue  # resuming mid-epoch: these batches were trained before the stop
+            batch = item if isinstance(item, DataBatch) else self._to_batch(item, i)
+            self.position = i + 1
+            yield batch
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def _to_batch(self, item: Any, i: int) -> DataBatch:
+        if self.has_labels and isinstance(item, (tuple, list)) and len(item) == 2:
+            x, y = item
+        elif self.has_labels:
+            raise ValueError(
+                f"data: batch {i} of the DataLoader is {type(item).__name__}"
+                f"{f' of length {len(item)}' if isinstance(item, (tuple, list)) else ''}; "
+                f"expected (inputs, targets) pairs. Fix: make the dataset return (x, y)."
+            )
+        else:
+            x, y = (item[0], None) if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
+        x = as_tensors(x, "data")
+        y = None if y is None else as_tensors(y, "targets")
+        structure = (tree_structure(x), tree_structure(y))
+        if self.structure is None:
+            self.structure = structure
+        elif structure != self.structure:
+            raise ValueError(
+                f"data: batch {i} of the DataLoader has structure {structure}, but the first "
+                f"batch had {self.structure}; every batch must hold the same tensors (same "
+                f"nesting, rank and dtype). Fix: make the dataset/collate_fn return one format."
+            )
+        return DataBatch(x, y)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+def _maybe_len(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def make_source(
+    data: Any,
+    y: Any,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    has_labels: bool = True,
+) -> Any:
+    """Turn what a user passed to fit/evaluate/predict into a data source.
+
+    Raises:
+        ValueError: empty data, or inputs and targets of different lengths.
+        TypeError: a form fitdp does not accept.
+    """
+    if data is None:
+        raise ValueError("data: got None; expected tensors, a Dataset, a DataLoader or batches")
+    if isinstance(data, DataLoader) or _is_batch_iterable(data):
+        if y is not None:
+            raise ValueError(
+                f"y: got targets together with a {type(data).__name__}, which already yields "
+                f"targets; pass y=None"
+            )
+        source = LoaderSource(data, has_labels=has_labels)
+        if _maybe_len(data) == 0:
+            raise ValueError(f"data: the {type(data).__name__} is empty; expected at least one batch")
+        return source
+    if isinstance(data, Dataset) and not isinstance(data, (torch.Tensor, np.ndarray)):
+        n = _maybe_len(data)
+        if n == 0:
+            raise ValueError("data: the Dataset is empty; expected at least one sample")
+        g = torch.Generator().manual_seed(seed)
+        loader = DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=g)
+        return LoaderSource(loader, has_labels=has_labels)
+    if y is None and isinstance(data, tuple) and len(data) == 2 and has_labels:
+        data, y = data
+    x = as_tensors(data, "data")
+    n = batch_length(x)
+    if n == 0:
+        raise ValueError("data: got 0 samples; expected at least one")
+    for t in _leaves_with_names(x, "data"):
+        if t[1].dim() == 0 or t[1].shape[0] != n:
+            raise ValueError(
+                f"data: {t[0]} has {t[1].shape[0] if t[1].dim() else 0} rows but the first input "
+                f"has {n}; every input must have the same number of samples"
+            )
+    if y is not None:
+        y = as_tensors(y, "y")
+        for name, t in _leaves_with_names(y, "y"):
+            if t.dim() == 0 or t.shape[0] != n:
+                raise ValueError(
+                    f"y: got {t.shape[0] if t.dim() else 0} targets for {n} samples in x; "
+                    f"expected one target per sample. Fix: pass x and y of the same length."
+                )
+    elif has_labels:
+        raise ValueError("y: got no targets; pass y=... or data=(x, y) to train or evaluate")
+    return TensorSource(x, y, batch_size, shuffle=shuffle, seed=seed)
+
+
+def _leaves_with_names(tree: Any, name: str) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(tree, torch.Tensor):
+        return [(name, tree)]
+    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
+    return [p for k, v in items for p in _leaves_with_names(v, f"{name}[{k!r}]")]
+
+
+def _is_batch_iterable(data: Any) -> bool:
+    """An iterable of DataBatch (e.g. a BucketIterator), not a tensor container."""
+    if isinstance(data, (torch.Tensor, np.ndarray, Mapping, Sequence, Dataset)):
+        return False
+    return isinstance(data, Iterable)
+
+
+def split_validation(x: Any, y: Any, fraction: float) -> tuple[Any, Any, Any, Any]:
+    """Keras's ``validation_split``: the last ``fraction`` of the samples, before shuffling."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"validation_split: got {fraction}; expected a number in (0, 1)")
+    n = batch_length(x)
+    cut = n - int(n * fraction)
+    if cut <= 0 or cut >= n:
+        raise ValueError(
+            f"validation_split: {fraction} of {n} samples leaves an empty training or "
+            f"validation set; use a fraction that keeps at least one sample in each"
+        )
+    head, tail = slice(0, cut), slice(cut, n)
+    return (
+        tree_map(lambda t: t[head], x), tree_map(lambda t: t[head], y),
+        tree_map(lambda t: t[tail], x), tree_map(lambda t: t[tail], y),
+    )

@@ -1,0 +1,221 @@
+"""The training engine behind ``Model``: manager, optimizer, scheduler, metrics and one step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitdp.batch import DataBatch, tree_leaves
+from fitdp.devices import DevicesArg, resolve_devices
+from fitdp.executor.manager import DataParallelExecutorManager
+from fitdp.executor.slicing import check_work_load_list
+from fitdp.metrics import DeviceMetrics
+from fitdp.objectives import check_targets, resolve_loss
+from fitdp.optimizers import build_optimizer, build_scheduler, rebind_optimizer
+
+PRECISIONS = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@dataclasses.dataclass
+class CompileConfig:
+    """Everything ``Model.compile`` was given, validated."""
+
+    optimizer: Any
+    loss: Any
+    metrics: dict[str, Any]
+    lr: float | None = None
+    lr_scheduler: Any = None
+    precision: str = "32"
+    grad_clip_norm: float | None = None
+    grad_accum_steps: int = 1
+    compile: bool = False
+
+
+class Engine:
+    """One manager and the optimizer state living on it; rebuilt when the devices change.
+
+    The host module (``Model.module``) is the source of truth between calls: ``attach``
+    copies it into the replicas, ``detach`` averages the replicas back into it.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: CompileConfig,
+        bucket_module: Callable[[Any], nn.Module] | None,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.bucket_module = bucket_module
+        self.loss_fn = None if config.loss is None else resolve_loss(config.loss)
+        self.mgr: DataParallelExecutorManager | None = None
+        self.key: tuple[Any, ...] | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.scheduler_interval = "epoch"
+        self.metrics: DeviceMetrics | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+        self.micro_step = 0
+
+    def attach(
+        self,
+        devices: DevicesArg,
+        work_load_list: Sequence[float] | None,
+        batch_size: int | None,
+        default_bucket_key: Hashable | None = None,
+        distributed: bool = False,
+    ) -> DataParallelExecutorManager:
+        """The manager for these devices (reused when unchanged), with host weights loaded."""
+        devs = resolve_devices(devices)
+        loads = check_work_load_list(work_load_list, len(devs))
+        if batch_size is not None and batch_size < len(devs):
+            raise ValueError(
+                f"batch_size: got {batch_size} for {len(devs)} devices {[str(d) for d in devs]}; "
+                f"expected at least one sample per device. Fix: batch_size >= {len(devs)}, or "
+                f"fewer devices."
+            )
+        dtype = PRECISIONS[self.config.precision]
+        if dtype is torch.float16 and any(d.type != "cuda" for d in devs):
+            raise ValueError(
+                "precision='16-mixed' uses a CUDA GradScaler, but devices include the CPU. "
+                "Fix: precision='bf16-mixed' on the CPU, or run on CUDA devices."
+            )
+        key = (tuple(devs), tuple(loads), default_bucket_key, distributed)
+        if self.mgr is None or key != self.key:
+            previous = None
+            if self.mgr is not None:
+                self.detach()
+                previous = self.mgr.master_parameters()
+                self.mgr.close()
+            self.mgr = DataParallelExecutorManager(
+                self.module, devs, work_load_list=loads, bucket_module=self.bucket_module,
+                default_bucket_key=default_bucket_key, loss=self.loss_fn,
+                compile=self.config.compile, autocast_dtype=dtype, distributed=distributed,
+            )
+            self.key = key
+            self._build_optimizer(previous)
+            self.metrics = DeviceMetrics(self.config.metrics, devs) if self.config.metrics else None
+            self.scaler = torch.amp.GradScaler("cuda") if dtype is torch.float16 else None
+        self.mgr.set_params(*self.host_state())
+        return self.mgr
+
+    @property
+    def manager(self) -> DataParallelExecutorManager:
+        if self.mgr is None:
+            raise RuntimeError("the engine has no manager yet; call attach() first")
+        return self.mgr
+
+    def _build_optimizer(self, previous: list[nn.Parameter] | None) -> None:
+        params = self.manager.master_parameters()
+        if self.config.optimizer is None:
+            return
+        if self.optimizer is None or previous is None:
+            named = dict(zip(self.manager.param_names, params))
+            self.optimizer = build_optimizer(self.config.optimizer, named, self.module, self.config.lr)
+            self.scheduler, self.scheduler_interval = build_scheduler(
+                self.config.lr_scheduler, self.optimizer
+            )
+            return
+        # New replicas: carry the optimizer (and scheduler) state over to their parameters.
+        sched_state = self.scheduler.state_dict() if self.scheduler is not None else None
+        self.optimizer = rebind_optimizer(
+            self.optimizer, {id(old): new for old, new in zip(previous, params)}
+        )
+        if sched_state is not None:
+            self.scheduler, _ = build_scheduler(self.config.lr_scheduler, self.optimizer)
+            self.scheduler.load_state_dict(sched_state)
+
+    def host_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The host module's parameters and buffers by name (the tensors themselves)."""
+        return dict(self.module.named_parameters()), dict(self.module.named_buffers())
+
+    def detach(self) -> None:
+        """Average the replicas into the host module (in place)."""
+        if self.mgr is not None:
+            arg, aux = self.host_state()
+            self.mgr.copy_to(arg, aux)
+
+    def check_batch(self, batch: DataBatch) -> None:
+        """Checks made on the first batch of a call, before any weight changes."""
+        if batch.label is not None:
+            check_targets(self.config.loss, batch.label)
+        for t in tree_leaves(batch.data):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"data: a batch holds {type(t).__name__}; expected tensors")
+
+    def train_step(self, batch: DataBatch) -> bool:
+        """Forward, backward and (every ``grad_accum_steps`` batches) one optimizer step.
+
+        Returns whether the optimizer stepped.
+        """
+        mgr = self.manager
+        mgr.load_data_batch(batch)
+        mgr.forward(is_train=True)
+        self.micro_step += 1
+        step_now = self.micro_step >= self.config.grad_accum_steps
+        mgr.backward(reduce=step_now, scale=self._loss_scale())
+        if self.metrics:
+            mgr.update_metric(self.metrics)
+        if step_now:
+            self._optimizer_step()
+        return step_now
+
+    def flush(self) -> bool:
+        """Step on gradients still accumulating at the end of an epoch; True if it stepped."""
+        if self.micro_step == 0:
+            return False
+        self.manager.reduce_gradients()
+        self._optimizer_step()
+        return True
+
+    def _optimizer_step(self) -> None:
+        mgr, opt, cfg = self.manager, self.optimizer, self.config
+        if opt is None:
+            raise RuntimeError("compile() the model with an optimizer before training")
+        self.micro_step = 0
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+        if cfg.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(mgr.master_parameters(), cfg.grad_clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(opt)
+            self.scaler.update()
+        else:
+            opt.step()
+        if self.scheduler is not None and self.scheduler_interval == "step":
+            self.scheduler.step()
+        mgr.sync_params()
+        mgr.zero_grad()
+
+    def _loss_scale(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        accum = self.config.grad_accum_steps
+        scaler = self.scaler
+        if scaler is not None:
+            return lambda loss: scaler.scale(loss / accum)
+        if accum > 1:
+            return lambda loss: loss / accum
+        return None
+
+    def eval_step(self, batch: DataBatch, with_metrics: bool) -> None:
+        mgr = self.manager
+        mgr.load_data_batch(batch)
+        mgr.forward(is_train=False)
+        if with_metrics and self.metrics:
+            mgr.update_metric(self.metrics)
+
+    def read_logs(self) -> dict[str, float]:
+        """Mean loss and every metric so far (the one host sync of a log point)."""
+        total, count = self.manager.loss_state()
+        logs = {"loss": float(total) / count} if count else {}
+        if self.metrics:
+            logs.update(self.metrics.compute())
+        return logs
+
+    def reset_logs(self) -> None:
+        self.manager.reset_loss()
+        if self.metrics:
+            self.metrics.reset()

@@ -1,0 +1,116 @@
+"""One bucket's executors across devices (MXNet's ``DataParallelExecutorGroup``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitdp.batch import DataBatch, tree_map
+from fitdp.executor.executor import Executor, LossFn
+from fitdp.executor.workers import DeviceWorkers
+
+
+class DataParallelExecutorGroup:
+    """The executors of one bucket, one per device, run concurrently by ``workers``.
+
+    Args:
+        modules: one replica per device (already on it).
+        devices: the devices, in order.
+        shared_buffers: per device, the input buffers shared with the other buckets.
+        workers: the manager's device threads.
+        bucket_key: the bucket this group runs (None without bucketing).
+        compile: ``torch.compile`` each replica (one graph per input shape).
+        logger: where bucketing warnings go.
+
+    Example:
+        >>> g = DataParallelExecutorGroup([nn.Linear(3, 1)], [torch.device("cpu")], [{}],
+        ...                               DeviceWorkers(1))
+        >>> g.param_names
+        ['weight', 'bias']
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        devices: Sequence[torch.device],
+        shared_buffers: Sequence[dict[str, tuple[torch.Tensor, tuple[int, ...]]]],
+        workers: DeviceWorkers,
+        *,
+        bucket_key: Hashable | None = None,
+        compile: bool = False,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.bucket_key = bucket_key
+        self.workers = workers
+        self.executors = [
+            Executor(m, d, b, compile=compile, logger=logger)
+            for m, d, b in zip(modules, devices, shared_buffers)
+        ]
+        named = [dict(m.named_parameters()) for m in modules]
+        self.param_names = [n for n, p in modules[0].named_parameters() if p.requires_grad]
+        self.param_arrays = [[params[n] for params in named] for n in self.param_names]
+        buffers = [dict(m.named_buffers()) for m in modules]
+        self.aux_names = list(buffers[0])
+        self.aux_arrays = [[b[n] for b in buffers] for n in self.aux_names]
+        self.slices: list[slice] = []
+        self._is_train: bool | None = None
+
+    @property
+    def grad_arrays(self) -> list[list[torch.Tensor | None]]:
+        return [[p.grad for p in row] for row in self.param_arrays]
+
+    def _run(self, fn: Callable[[Executor], Any]) -> list[Any]:
+        return self.workers.run([lambda ex=ex: fn(ex) for ex in self.executors])
+
+    def load_data_batch(self, batch: DataBatch, slices: list[slice]) -> None:
+        """Copy each device's slice of ``batch`` into its input buffers."""
+        self.slices = slices
+        valid_end = batch.batch_size - batch.pad
+        if len(slices) == 1:
+            self.executors[0].load(batch.data, batch.label, valid_end)
+            return
+        for ex, sl in zip(self.executors, slices):
+            valid = max(0, min(sl.stop, valid_end) - sl.start)
+            label = None if batch.label is None else tree_map(lambda t, sl=sl: t[sl], batch.label)
+            ex.load(tree_map(lambda t, sl=sl: t[sl], batch.data), label, valid)
+
+    def forward(
+        self,
+        is_train: bool,
+        loss_fn: LossFn | None,
+        total_rows: int,
+        autocast_dtype: torch.dtype | None,
+    ) -> None:
+        """Run every replica on its slice; each loss is weighted by ``valid / total_rows``."""
+        if self._is_train is not is_train:
+            for ex in self.executors:
+                ex.module.train(is_train)
+            self._is_train = is_train
+        denom = float(max(total_rows, 1))
+        self._run(lambda ex: ex.forward(is_train, loss_fn, ex.valid / denom, autocast_dtype))
+
+    def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Backward on every replica, at once."""
+        self._run(lambda ex: ex.backward(scale))
+        for ex in self.executors:
+            if ex.stream is not None:
+                ex.stream.synchronize()
+
+    def update_metric(self, metric: Any, labels: Any = None) -> None:
+        """Update each device's clone of ``metric`` with that device's outputs and labels."""
+
+        def update(ex: Executor, d: int) -> None:
+            lab = ex.labels if labels is None else tree_map(lambda t: t[self.slices[d]], labels)
+            with ex.stream_context():
+                if ex.valid > 0:
+                    metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(lab))
+
+        self.workers.run([lambda ex=ex, d=d: update(ex, d) for d, ex in enumerate(self.executors)])
+
+    def outputs(self) -> list[Any]:
+        """Each device's outputs, padding rows removed."""
+        return [ex.valid_rows(ex.outputs) for ex in self.executors]

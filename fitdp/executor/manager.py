@@ -1,0 +1,345 @@
+"""The data-parallel executor manager (MXNet's ``DataParallelExecutorManager``)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitdp.batch import DataBatch, tree_map
+from fitdp.devices import DevicesArg, resolve_devices
+from fitdp.executor.executor import LossFn
+from fitdp.executor.group import DataParallelExecutorGroup
+from fitdp.executor.reduce import FlatBuckets
+from fitdp.executor.sharing import check_unique_names, share_by_name
+from fitdp.executor.slicing import check_work_load_list, split_input_slice
+from fitdp.executor.workers import DeviceWorkers
+
+
+class DataParallelExecutorManager:
+    """Run one module data-parallel over several devices, with bucketing.
+
+    Keeps a persistent replica per device, splits each batch by the work load list, runs the
+    replicas at once, reduces gradients in flat buckets (then across ranks), and copies the
+    device-averaged weights back to the host for saving. With ``bucket_module`` every new
+    bucket key gets its own executor group whose module shares every parameter and buffer
+    with the default bucket's, and whose input buffers share memory with the other buckets'.
+
+    Args:
+        module: the network; its device-0 replica is ``module`` itself when it already lives
+            there, else a copy.
+        devices: see ``fitdp.devices.resolve_devices``.
+        work_load_list: relative share of each device; default equal.
+        bucket_module: ``callable(bucket_key) -> nn.Module`` (MXNet's ``sym_gen``).
+        default_bucket_key: the bucket ``module`` itself runs.
+        logger: where warnings go (default: the ``fitdp`` logger).
+        loss: ``callable(outputs, targets) -> scalar``, mean over the batch.
+        compile: ``torch.compile`` every executor.
+        autocast_dtype: run forward under ``torch.autocast`` with this dtype.
+        distributed: also all-reduce gradients across the default process group.
+
+    Example:
+        >>> mgr = DataParallelExecutorManager(nn.Linear(4, 2), ["cpu", "cpu"],
+        ...                                   loss=nn.functional.cross_entropy)
+        >>> mgr.load_data_batch(DataBatch(torch.randn(6, 4), torch.tensor([0, 1] * 3)))
+        >>> mgr.forward(is_train=True); mgr.backward()
+        >>> mgr.slices
+        [slice(0, 3, None), slice(3, 6, None)]
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        devices: DevicesArg,
+        *,
+        work_load_list: Sequence[float] | None = None,
+        bucket_module: Callable[[Any], nn.Module] | None = None,
+        default_bucket_key: Hashable | None = None,
+        logger: logging.Logger | None = None,
+        loss: LossFn | None = None,
+        compile: bool = False,
+        autocast_dtype: torch.dtype | None = None,
+        distributed: bool = False,
+    ) -> None:
+        self.devices = resolve_devices(devices)
+        self.work_load_list = check_work_load_list(work_load_list, len(self.devices))
+        check_unique_names(module)
+        self.logger = logger or logging.getLogger("fitdp")
+        self.loss = loss
+        self.compile = compile
+        self.autocast_dtype = autocast_dtype
+        self.distributed = distributed
+        self.bucket_module = bucket_module
+        self.default_bucket_key = default_bucket_key
+        self.workers = DeviceWorkers(len(self.devices))
+        self.shared_buffers: list[dict[str, tuple[torch.Tensor, tuple[int, ...]]]] = [
+            {} for _ in self.devices
+        ]
+        self.monitor: Any = None
+        replicas = [_replica(module, d, first=(i == 0)) for i, d in enumerate(self.devices)]
+        self.execgrp = self._group(replicas, default_bucket_key)
+        self.groups: dict[Hashable, DataParallelExecutorGroup] = {default_bucket_key: self.execgrp}
+        self.curr_execgrp = self.execgrp
+        params = [[row[d] for row in self.execgrp.param_arrays] for d in range(len(self.devices))]
+        self.flat = FlatBuckets(params) if len(self.devices) > 1 or distributed else None
+        self._slices: dict[int, list[slice]] = {}
+        self.logger.debug("fitdp: data parallel on %s", self.devices)
+
+    # -- the seed's surface -------------------------------------------------------------
+
+    @property
+    def param_names(self) -> list[str]:
+        return self.execgrp.param_names
+
+    @property
+    def aux_names(self) -> list[str]:
+        return self.execgrp.aux_names
+
+    @property
+    def param_arrays(self) -> list[list[torch.Tensor]]:
+        """``[parameter][device]``, shared by every bucket."""
+        return self.execgrp.param_arrays
+
+    @property
+    def grad_arrays(self) -> list[list[torch.Tensor | None]]:
+        return self.execgrp.grad_arrays
+
+    @property
+    def aux_arrays(self) -> list[list[torch.Tensor]]:
+        return self.execgrp.aux_arrays
+
+    @property
+    def slices(self) -> list[slice]:
+        return self.curr_execgrp.slices
+
+    def load_data_batch(self, data_batch: DataBatch) -> None:
+        """Pick (or create, on first sight) the batch's bucket group and load the batch."""
+        key = data_batch.bucket_key if self.bucket_module is not None else self.default_bucket_key
+        group = self.groups.get(key) if _hashable(key) else None
+        if group is None:
+            group = self._bucket_group(key)
+        self.curr_execgrp = group
+        group.load_data_batch(data_batch, self._slices_for(data_batch.batch_size))
+
+    def forward(self, is_train: bool = False, *, total_rows: int | None = None) -> None:
+        """Run every replica on its slice.
+
+        Args:
+            is_train: build the graph for backward and use training-mode layers.
+            total_rows: rows the mean loss is taken over (default: this batch's); each
+                slice's loss is weighted by ``rows / total_rows`` so the summed gradients
+                equal the whole-batch gradient.
+        """
+        group = self.curr_execgrp
+        total = sum(ex.valid for ex in group.executors) if total_rows is None else total_rows
+        group.forward(is_train, self.loss, total, self.autocast_dtype)
+
+    def backward(
+        self, *, reduce: bool = True, scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
+        """Backward on every replica; with ``reduce``, sum gradients into device 0 (and across
+        ranks). Pass ``reduce=False`` to accumulate gradients over several batches."""
+        self.curr_execgrp.backward(scale)
+        if reduce:
+            self.reduce_gradients()
+
+    def reduce_gradients(self) -> None:
+        """Sum every device's gradients into device 0's (then across ranks)."""
+        if self.flat is not None:
+            self.flat.reduce_local()
+            if self.distributed:
+                self.flat.reduce_global(None)
+
+    def update_metric(self, metric: Any, labels: Any = None) -> None:
+        """Update ``metric`` per device slice.
+
+        ``metric`` is a ``fitdp.metrics.DeviceMetrics`` (each device updates its own clone,
+        on that device) or a plain torchmetrics metric (updated with each slice in turn).
+        ``labels`` defaults to the labels loaded with the batch.
+        """
+        if hasattr(metric, "clones"):
+            self.curr_execgrp.update_metric(metric, labels)
+            return
+        group = self.curr_execgrp
+        for ex, sl in zip(group.executors, group.slices):
+            lab = ex.labels if labels is None else tree_map(lambda t, sl=sl: t[sl], labels)
+            if ex.valid > 0:
+                to = tree_map(lambda t: t.to(metric.device), (ex.outputs, lab))
+                metric.update(*ex.valid_rows(to))
+
+    def install_monitor(self, monitor: Any) -> None:
+        """Install ``monitor`` on every bucket group, present and future, and every device."""
+        self.monitor = monitor
+        for group in self.groups.values():
+            self._install(group)
+
+    def set_params(
+        self, arg_params: Mapping[str, torch.Tensor], aux_params: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Copy host parameters and buffers (by name) into every device's replica."""
+        for names, arrays, src in (
+            (self.param_names, self.param_arrays, arg_params),
+            (self.aux_names, self.aux_arrays, aux_params),
+        ):
+            unknown = sorted(set(src) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"set_params: unknown names {unknown}; the module has {sorted(names)}"
+                )
+            for name, block in zip(names, arrays):
+                if name in src:
+                    value = src[name]
+                    for dst in block:
+                        if dst.data_ptr() != value.data_ptr():
+                            dst.detach().copy_(value, non_blocking=True)
+
+    def copy_to(
+        self, arg_params: Mapping[str, torch.Tensor], aux_params: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Average every parameter and buffer over devices into the caller's tensors, in place
+        (cast to each target's dtype)."""
+        for names, arrays, dst in (
+            (self.param_names, self.param_arrays, arg_params),
+            (self.aux_names, self.aux_arrays, aux_params),
+        ):
+            for name, block in zip(names, arrays):
+                if name in dst:
+                    _average_into(dst[name], block)
+
+    # -- what Model needs beyond the seed ------------------------------------------------
+
+    def master_parameters(self) -> list[nn.Parameter]:
+        """Device 0's trainable parameters: the optimizer steps these."""
+        return [row[0] for row in self.param_arrays]
+
+    def zero_grad(self) -> None:
+        if self.flat is not None:
+            self.flat.zero_grad()
+        else:
+            for p in self.master_parameters():
+                p.grad = None
+
+    def sync_params(self) -> None:
+        """After an optimizer step on device 0, copy its parameters to every other device."""
+        if self.flat is not None:
+            self.flat.broadcast_params()
+
+    def outputs(self) -> list[Any]:
+        """The current batch's outputs per device (padding removed; empty slices left out)."""
+        group = self.curr_execgrp
+        return [o for ex, o in zip(group.executors, group.outputs()) if ex.valid > 0]
+
+    def loss_state(self) -> tuple[torch.Tensor, int]:
+        """(sum of per-row losses, rows) since ``reset_loss``, on device 0 (no host sync)."""
+        execs = [ex for g in self.groups.values() for ex in g.executors]
+        total = sum(ex.loss_sum.to(self.devices[0], non_blocking=True) for ex in execs)
+        return total, sum(ex.loss_count for ex in execs)  # type: ignore[return-value]
+
+    def reset_loss(self) -> None:
+        for g in self.groups.values():
+            for ex in g.executors:
+                ex.reset_loss()
+
+    def reserve(self, descs: Sequence[Any]) -> None:
+        """Allocate input buffers for a full batch of ``descs`` (``DataDesc``) up front, so
+        smaller buckets take views of them instead of re-allocating."""
+        for desc in descs:
+            sl = self._slices_for(desc.shape[0])
+            for ex, s in zip(self.execgrp.executors, sl):
+                ex.reserve(desc.name, (s.stop - s.start, *desc.shape[1:]), desc.dtype)
+
+    def close(self) -> None:
+        """Stop the device threads."""
+        self.workers.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _group(self, modules: list[nn.Module], key: Hashable) -> DataParallelExecutorGroup:
+        group = DataParallelExecutorGroup(
+            modules, self.devices, self.shared_buffers, self.workers,
+            bucket_key=key, compile=self.compile, logger=self.logger,
+        )
+        if self.monitor is not None:
+            self._install(group)
+        return group
+
+    def _bucket_group(self, key: Hashable) -> DataParallelExecutorGroup:
+        if not _hashable(key):
+            raise TypeError(
+                f"bucket_key: got {key!r} of type {type(key).__name__}, which is not hashable; "
+                f"expected an int, str or tuple (bucket groups are kept in a dict)"
+            )
+        first = self.bucket_module(key) if self.bucket_module is not None else None
+        if not isinstance(first, nn.Module):
+            raise TypeError(
+                f"bucket_module({key!r}) returned {type(first).__name__}; expected an nn.Module"
+            )
+        modules = []
+        for d, base in enumerate(self.execgrp.executors):
+            m = first if d == 0 else copy.deepcopy(first)
+            share_by_name(m, base.module, key)
+            modules.append(m)
+        group = self._group(modules, key)
+        self.groups[key] = group
+        return group
+
+    def _install(self, group: DataParallelExecutorGroup) -> None:
+        bucket = f"b{group.bucket_key}/" if self.bucket_module is not None else ""
+        for d, ex in enumerate(group.executors):
+            dev = f"d{d}/" if len(self.devices) > 1 else ""
+            # Weights and gradients are shared by every bucket: watch them once, on device 0.
+            self.monitor.install(ex.module, bucket + dev, params=(group is self.execgrp and d == 0))
+
+    def _slices_for(self, rows: int) -> list[slice]:
+        slices = self._slices.get(rows)
+        if slices is None and rows == 0:  # this rank has no rows this step, but joins the reduce
+            slices = [slice(0, 0)] * len(self.devices)
+        if slices is None:
+            loads = self.work_load_list
+            n = len(loads)
+            # A final short batch may have fewer rows than there are devices: give it to
+            # the first devices and leave the rest idle for that batch.
+            while True:
+                try:
+                    slices = split_input_slice(rows, loads[:n])
+                    break
+                except ValueError:
+                    if n == 1 or rows == 0:
+                        raise
+                    n -= 1
+            slices += [slice(rows, rows)] * (len(loads) - n)
+            self._slices[rows] = slices
+        return slices
+
+
+def _replica(module: nn.Module, device: torch.device, first: bool) -> nn.Module:
+    """``module`` itself for device 0 when it already lives there, else a copy on ``device``."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if first and all(t.device == device for t in tensors):
+        return module
+    return copy.deepcopy(module).to(device)
+
+
+def _hashable(key: Any) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
+def _average_into(dst: torch.Tensor, block: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        srcs = [t.to(dst.device, non_blocking=True) for t in block]
+        if len(srcs) == 1:
+            dst.copy_(srcs[0])
+        elif not srcs[0].is_floating_point():
+            dst.copy_(torch.stack(srcs).sum(0).div(len(srcs), rounding_mode="floor"))
+        elif len(srcs) == 2 and srcs[0].dtype == dst.dtype:
+            torch.lerp(srcs[0], srcs[1], 0.5, out=dst)  # one pass over memory
+        else:
+            dst.copy_(torch.stack(srcs).mean(0))

@@ -1,0 +1,65 @@
+"""Name checks and parameter sharing between a bucket's module and the default bucket's."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from torch import nn
+
+
+def check_unique_names(module: nn.Module) -> None:
+    """Every parameter and buffer name must be unique (the seed's ``_check_arguments``).
+
+    Raises:
+        ValueError: naming the duplicated name.
+    """
+    seen: set[str] = set()
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    for name in names:
+        if name in seen:
+            raise ValueError(
+                f"module: the name {name!r} is used by two parameters or buffers "
+                f"({names}); expected unique names. Fix: rename one of them."
+            )
+        seen.add(name)
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+def share_by_name(module: nn.Module, base: nn.Module, bucket_key: Hashable) -> None:
+    """Make ``module`` use ``base``'s parameter and buffer objects, matched by name.
+
+    After this, one optimizer step on ``base``'s parameters updates every bucket.
+
+    Raises:
+        ValueError: a name ``base`` lacks, or a shape or dtype that differs (naming the
+            parameter, both shapes and the bucket key).
+    """
+    for kind, theirs, ours in (
+        ("parameter", dict(base.named_parameters()), list(module.named_parameters())),
+        ("buffer", dict(base.named_buffers()), list(module.named_buffers())),
+    ):
+        for name, tensor in ours:
+            shared = theirs.get(name)
+            if shared is None:
+                raise ValueError(
+                    f"bucket_module({bucket_key!r}) returned a module with {kind} {name!r}, "
+                    f"which the default bucket's module does not have (it has "
+                    f"{sorted(theirs)}). Buckets share every {kind} by name with the default "
+                    f"bucket; fix: build the same layers, with the same names, in every bucket."
+                )
+            if shared.shape != tensor.shape or shared.dtype != tensor.dtype:
+                raise ValueError(
+                    f"bucket_module({bucket_key!r}): {kind} {name!r} has shape "
+                    f"{tuple(tensor.shape)} ({tensor.dtype}) but the default bucket's has "
+                    f"{tuple(shared.shape)} ({shared.dtype}); buckets share {kind}s, so they "
+                    f"must match. Fix: make the layer sizes independent of the bucket key."
+                )
+            owner, leaf = _owner(module, name)
+            if kind == "parameter":
+                owner._parameters[leaf] = shared  # type: ignore[assignment]
+            else:
+                owner._buffers[leaf] = shared

@@ -1,0 +1,68 @@
+"""Split a batch across devices by work load (MXNet's ``_split_input_slice``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def check_work_load_list(work_load_list: Sequence[float] | None, num_devices: int) -> list[float]:
+    """Validate a work load list (one positive entry per device); None means equal loads."""
+    if work_load_list is None:
+        return [1.0] * num_devices
+    if isinstance(work_load_list, (str, bytes)) or not isinstance(work_load_list, Sequence):
+        raise TypeError(
+            f"work_load_list: got {type(work_load_list).__name__}; expected a list of "
+            f"{num_devices} positive numbers, one per device"
+        )
+    if len(work_load_list) != num_devices:
+        raise ValueError(
+            f"work_load_list: got {len(work_load_list)} entries {list(work_load_list)} for "
+            f"{num_devices} devices; expected one positive number per device. Fix: pass "
+            f"{num_devices} entries or leave it None for equal loads."
+        )
+    loads = []
+    for w in work_load_list:
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+            raise ValueError(
+                f"work_load_list: got {list(work_load_list)}; every entry must be a positive "
+                f"number (a device's relative share of each batch)"
+            )
+        loads.append(float(w))
+    return loads
+
+
+def split_input_slice(batch_size: int, work_load_list: Sequence[float]) -> list[slice]:
+    """Split ``batch_size`` rows into contiguous slices proportional to the work loads.
+
+    Uses largest-remainder rounding: with equal loads and ``batch_size >= len(loads)`` no
+    device is left empty (the seed's half-to-even ``round`` could leave one empty).
+
+    Args:
+        batch_size: rows in the batch.
+        work_load_list: relative share of each device, in device order.
+
+    Returns:
+        One slice per device, in order, covering ``range(batch_size)``.
+
+    Raises:
+        ValueError: ``Too many slices. Some splits are empty.`` when a slice would be empty.
+
+    Example:
+        >>> split_input_slice(10, [1, 1, 3])
+        [slice(0, 2, None), slice(2, 4, None), slice(4, 10, None)]
+    """
+    total = float(sum(work_load_list))
+    shares = [w * batch_size / total for w in work_load_list]
+    counts = [int(s) for s in shares]
+    # Hand the rows lost to flooring to the largest fractional parts (earlier device on ties).
+    order = sorted(range(len(shares)), key=lambda i: (counts[i] - shares[i], i))
+    for i in order[: batch_size - sum(counts)]:
+        counts[i] += 1
+    slices = []
+    begin = 0
+    for n in counts:
+        if n <= 0:
+            raise ValueError("Too many slices. Some splits are empty.")
+        slices.append(slice(begin, begin + n))
+        begin += n
+    return slices
