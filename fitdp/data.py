@@ -179,6 +179,8 @@ def make_source(
     """
     if data is None:
         raise ValueError("data: got None; expected tensors, a Dataset, a DataLoader or batches")
+    if all(hasattr(data, a) for a in ("set_epoch", "state_dict", "load_state_dict", "__iter__")):
+        return data  # a source already, e.g. a BucketIterator
     if isinstance(data, DataLoader) or _is_batch_iterable(data):
         if y is not None:
             raise ValueError(
@@ -229,8 +231,10 @@ def _leaves_with_names(tree: Any, name: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def _is_batch_iterable(data: Any) -> bool:
-    """An iterable of DataBatch (e.g. a BucketIterator), not a tensor container."""
-    if isinstance(data, (torch.Tensor, np.ndarray, Mapping, Sequence, Dataset)):
+    """An iterable of DataBatch (a list of them, a generator), not a tensor container."""
+    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        return len(data) > 0 and all(isinstance(b, DataBatch) for b in data)
+    if isinstance(data, (torch.Tensor, np.ndarray, Mapping, Dataset)):
         return False
     return isinstance(data, Iterable)
 

@@ -37,6 +37,8 @@ class Executor:
         shared_buffers: name -> (flat buffer, shape it was allocated for); one dict per
             device, shared by every bucket's executor on that device.
         compile: wrap the replica with ``torch.compile``.
+        warn_on_grow: log the seed's warning when a batch outgrows the input buffers
+            (bucketing: the default bucket should be the largest).
         logger: where the re-allocation warning goes.
 
     Example:
@@ -53,9 +55,11 @@ class Executor:
         shared_buffers: dict[str, tuple[torch.Tensor, tuple[int, ...]]],
         *,
         compile: bool = False,
+        warn_on_grow: bool = False,
         logger: logging.Logger | None = None,
     ) -> None:
         self.module = module
+        self.warn_on_grow = warn_on_grow
         self.device = device
         self.shared_buffers = shared_buffers
         self.logger = logger or logging.getLogger("fitdp")
@@ -79,7 +83,7 @@ class Executor:
         numel = src.numel()
         buf, shape = self.shared_buffers.get(name, (None, ()))
         if buf is None or buf.dtype != src.dtype or buf.numel() < numel:
-            if buf is not None and buf.dtype == src.dtype:
+            if self.warn_on_grow and buf is not None and buf.dtype == src.dtype:
                 self.logger.warning(
                     'bucketing: data "%s" has a shape %s, which is larger than already allocated '
                     "shape %s. Need to re-allocate. Consider putting default_bucket_key to be "

@@ -47,7 +47,7 @@ class DataParallelExecutorGroup:
         self.bucket_key = bucket_key
         self.workers = workers
         self.executors = [
-            Executor(m, d, b, compile=compile, logger=logger)
+            Executor(m, d, b, compile=compile, warn_on_grow=bucket_key is not None, logger=logger)
             for m, d, b in zip(modules, devices, shared_buffers)
         ]
         named = [dict(m.named_parameters()) for m in modules]

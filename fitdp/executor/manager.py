@@ -30,8 +30,8 @@ class DataParallelExecutorManager:
     with the default bucket's, and whose input buffers share memory with the other buckets'.
 
     Args:
-        module: the network; its device-0 replica is ``module`` itself when it already lives
-            there, else a copy.
+        module: the network (the host copy). With one device already holding it, the replica
+            is ``module`` itself; otherwise every replica is a copy.
         devices: see ``fitdp.devices.resolve_devices``.
         work_load_list: relative share of each device; default equal.
         bucket_module: ``callable(bucket_key) -> nn.Module`` (MXNet's ``sym_gen``).
@@ -80,7 +80,10 @@ class DataParallelExecutorManager:
             {} for _ in self.devices
         ]
         self.monitor: Any = None
-        replicas = [_replica(module, d, first=(i == 0)) for i, d in enumerate(self.devices)]
+        # One device: the module itself is the replica (no copy, no sync). Several: every
+        # replica is a copy, so averaging into the host never disturbs a replica.
+        single = len(self.devices) == 1
+        replicas = [_replica(module, d, share=single) for d in self.devices]
         self.execgrp = self._group(replicas, default_bucket_key)
         self.groups: dict[Hashable, DataParallelExecutorGroup] = {default_bucket_key: self.execgrp}
         self.curr_execgrp = self.execgrp
@@ -316,10 +319,10 @@ class DataParallelExecutorManager:
         return slices
 
 
-def _replica(module: nn.Module, device: torch.device, first: bool) -> nn.Module:
-    """``module`` itself for device 0 when it already lives there, else a copy on ``device``."""
+def _replica(module: nn.Module, device: torch.device, share: bool) -> nn.Module:
+    """``module`` itself when ``share`` and it already lives on ``device``, else a copy."""
     tensors = [*module.parameters(), *module.buffers()]
-    if first and all(t.device == device for t in tensors):
+    if share and all(t.device == device for t in tensors):
         return module
     return copy.deepcopy(module).to(device)
 

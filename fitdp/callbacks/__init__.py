@@ -1,0 +1,25 @@
+"""Callbacks: the `Callback` hook interface, its `CallbackList` dispatcher and the built-ins.
+
+Example:
+    >>> from fitdp.callbacks import EarlyStopping, ModelCheckpoint
+    >>> callbacks = [EarlyStopping(patience=3), ModelCheckpoint("runs/best.ckpt",
+    ...                                                         save_best_only=True)]
+"""
+
+from fitdp.callbacks.backup import BackupAndRestore
+from fitdp.callbacks.base import HOOKS, Callback, CallbackList
+from fitdp.callbacks.csv_logger import CSVLogger
+from fitdp.callbacks.early_stopping import EarlyStopping
+from fitdp.callbacks.history import History
+from fitdp.callbacks.lambda_callback import LambdaCallback
+from fitdp.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
+from fitdp.callbacks.model_checkpoint import ModelCheckpoint
+from fitdp.callbacks.nan import TerminateOnNaN
+from fitdp.callbacks.progress import ProgressBar, Speedometer
+from fitdp.callbacks.tensorboard import TensorBoard
+
+__all__ = [
+    "HOOKS", "BackupAndRestore", "CSVLogger", "Callback", "CallbackList", "EarlyStopping",
+    "History", "LambdaCallback", "LearningRateScheduler", "ModelCheckpoint", "ProgressBar",
+    "ReduceLROnPlateau", "Speedometer", "TensorBoard", "TerminateOnNaN",
+]

@@ -1,0 +1,102 @@
+"""`History`: the per-epoch logs `fit` returns, and a plot of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fitdp.callbacks.base import Callback
+
+
+class History(Callback):
+    """Records every epoch's logs; `fit` returns it (a new one per `fit`, as in Keras 3).
+
+    Attributes:
+        history: `dict[str, list[float]]`, one value per epoch for each log key.
+        epoch: the epoch indices (0-based) the values belong to.
+
+    Example:
+        >>> h = History()
+        >>> h.on_train_begin()
+        >>> h.on_epoch_end(0, {"loss": 0.9, "val_loss": 1.0})
+        >>> h.history["val_loss"], h.epoch
+        ([1.0], [0])
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: dict[str, list[float]] = {}
+        self.epoch: list[int] = []
+        self._restored = False
+
+    def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
+        # A reused History starts over, unless a resumed run just loaded its state.
+        if not self._restored:
+            self.history, self.epoch = {}, []
+        self._restored = False
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        self.epoch.append(int(epoch))
+        for key, value in (logs or {}).items():
+            self.history.setdefault(key, []).append(float(value))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The recorded epochs and values (plain lists: loads with `weights_only=True`)."""
+        return {"history": {k: list(v) for k, v in self.history.items()},
+                "epoch": list(self.epoch)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a resumed run's history; the next `on_train_begin` keeps it."""
+        self.history = {k: [float(x) for x in v] for k, v in state["history"].items()}
+        self.epoch = [int(e) for e in state["epoch"]]
+        self._restored = True
+
+    def plot(self, path: str | None = None, keys: list[str] | None = None) -> Any:
+        """Draw each quantity on its own subplot, train and `val_` curves together.
+
+        Args:
+            path: when given, the figure is also saved there (format from the extension).
+            keys: the quantities to draw without the `val_` prefix, e.g. `["loss"]` (a single
+                string is accepted); default every recorded one.
+
+        Returns:
+            The `matplotlib.figure.Figure`.
+
+        Raises:
+            ImportError: matplotlib is not installed.
+            ValueError: nothing was recorded, or a key in `keys` was not.
+        """
+        try:
+            from matplotlib.figure import Figure
+            from matplotlib.ticker import MaxNLocator
+        except ImportError as e:
+            raise ImportError("History.plot needs matplotlib, which is not installed. "
+                              "Install it with `pip install matplotlib`.") from e
+        bases = list(dict.fromkeys(k[4:] if k.startswith("val_") else k for k in self.history))
+        if not bases:
+            raise ValueError("History.plot has nothing to draw: no epoch was recorded. "
+                             "Call it on the History that fit returned, after fit.")
+        keys = bases if keys is None else [keys] if isinstance(keys, str) else list(keys)
+        missing = [k for k in keys if k not in bases]
+        if missing or not keys:
+            raise ValueError(f"History.plot(keys=...) got {keys!r}; {missing} not recorded. "
+                             f"Expected a non-empty list drawn from {bases}.")
+        # Figure() without pyplot: no GUI backend, no global state, safe on headless machines.
+        fig = Figure(figsize=(5 * len(keys), 3.6), layout="constrained")
+        axes = fig.subplots(1, len(keys), squeeze=False)[0]
+        for ax, key in zip(axes, keys):
+            for name, label in ((key, "train"), (f"val_{key}", "validation")):
+                values = self.history.get(name)
+                if values:
+                    ax.plot(self._xs(len(values)), values, marker=".", label=label)
+            ax.set_title(key)
+            ax.set_xlabel("epoch")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.legend()
+        if path is not None:
+            fig.savefig(path)
+        return fig
+
+    def _xs(self, n: int) -> list[int]:
+        """1-based epoch numbers for a series of `n` values (the last `n` epochs)."""
+        epochs = self.epoch[-n:] if len(self.epoch) >= n else list(range(n))
+        return [e + 1 for e in epochs]

@@ -1,0 +1,152 @@
+"""Every data-parallel path ends with the weights of a hand-written single-device loop."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fitdp
+
+DEVICE_SETUPS = [
+    (["cpu"], None),
+    (["cpu", "cpu"], None),
+    (["cpu"] * 3, [1, 2, 3]),
+]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+
+
+def data(n: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def hand_loop(net: nn.Module, opt_cls: type, x: torch.Tensor, y: torch.Tensor, steps: int, bs: int,
+              **opt_kw: float) -> nn.Module:
+    """The reference: whole batches, one device, in order."""
+    opt = opt_cls(net.parameters(), **opt_kw)
+    n = len(x)
+    for step in range(steps):
+        i = (step * bs) % n
+        xb, yb = x[i:i + bs], y[i:i + bs]
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(xb), yb).backward()
+        opt.step()
+    return net
+
+
+@pytest.mark.parametrize("devices,work_load", DEVICE_SETUPS)
+@pytest.mark.parametrize("opt_cls,opt_kw", [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (torch.optim.Adam, {"lr": 0.01}),
+])
+def test_fit_matches_hand_loop(devices, work_load, opt_cls, opt_kw):
+    x, y = data(100)
+    ref = hand_loop(mlp(), opt_cls, x, y, steps=10, bs=10, **opt_kw)
+    model = fitdp.Model(mlp())
+    model.compile(optimizer=lambda p: opt_cls(p, **opt_kw), loss="cross_entropy")
+    model.fit(x, y, batch_size=10, epochs=1, devices=devices, work_load_list=work_load,
+              shuffle=False, verbose=0)
+    for (name, p), q in zip(model.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("devices,work_load", DEVICE_SETUPS[1:])
+def test_last_partial_batch_is_trained(devices, work_load):
+    # 23 samples, batch 10: the last batch has 3 rows and is trained, not dropped or padded.
+    x, y = data(23)
+    net = mlp()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(0, 23, 10):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(x[i:i + 10]), y[i:i + 10]).backward()
+        opt.step()
+    model = fitdp.Model(net)
+    model.compile(optimizer="sgd", lr=0.1, loss="cross_entropy")
+    model.fit(x, y, batch_size=10, devices=devices, work_load_list=work_load, shuffle=False,
+              verbose=0)
+    assert model.global_step == 3
+    for p, q in zip(model.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_tail_batch_smaller_than_device_count():
+    # 9 samples, batch 4, 3 devices: the last batch (1 row) runs on the first device only.
+    x, y = data(9)
+    ref = hand_loop(mlp(), torch.optim.SGD, x, y, steps=3, bs=4, lr=0.1)
+    model = fitdp.Model(mlp())
+    model.compile(optimizer="sgd", lr=0.1, loss="cross_entropy")
+    model.fit(x, y, batch_size=4, devices=["cpu"] * 3, shuffle=False, verbose=0)
+    for p, q in zip(model.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_accumulation_matches_mean_of_micro_batches():
+    x, y = data(40)
+    net = mlp()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(0, 40, 20):  # two micro-batches of 10 per step, each weighted 1/2
+        opt.zero_grad()
+        for j in (i, i + 10):
+            (nn.functional.cross_entropy(ref(x[j:j + 10]), y[j:j + 10]) / 2).backward()
+        opt.step()
+    model = fitdp.Model(net)
+    model.compile(optimizer="sgd", lr=0.1, loss="cross_entropy", grad_accum_steps=2)
+    model.fit(x, y, batch_size=10, devices=["cpu", "cpu"], shuffle=False, verbose=0)
+    assert model.global_step == 2
+    for p, q in zip(model.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_clip_norm_matches_torch_clip():
+    x, y = data(20)
+    net = mlp()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for i in range(0, 20, 10):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(x[i:i + 10]), y[i:i + 10]).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+    model = fitdp.Model(net)
+    model.compile(optimizer="sgd", lr=0.5, loss="cross_entropy", grad_clip_norm=0.05)
+    model.fit(x, y, batch_size=10, devices=["cpu", "cpu"], shuffle=False, verbose=0)
+    for p, q in zip(model.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_replicas_and_copy_to_mean():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    model = fitdp.Model(net)
+    model.compile(optimizer="sgd", loss="cross_entropy")
+    model.fit(x, y, batch_size=16, devices=["cpu", "cpu"], verbose=0)
+    mgr = model._engine.manager
+    idx = mgr.aux_names.index("1.running_mean")
+    replicas = mgr.aux_arrays[idx]
+    assert not torch.equal(replicas[0], replicas[1])  # each replica saw its own half
+    target = {"1.running_mean": torch.empty(8, dtype=torch.float64)}
+    mgr.copy_to({}, target)
+    torch.testing.assert_close(target["1.running_mean"], ((replicas[0] + replicas[1]) / 2).double())
+    torch.testing.assert_close(net[1].running_mean, (replicas[0] + replicas[1]) / 2)
+
+
+def test_bf16_mixed_trains_close_to_fp32():
+    x, y = data(64)
+    losses = {}
+    for precision in ("32", "bf16-mixed"):
+        model = fitdp.Model(mlp())
+        model.compile(optimizer="adam", lr=0.01, loss="cross_entropy", precision=precision)
+        h = model.fit(x, y, batch_size=16, epochs=3, devices=["cpu", "cpu"], verbose=0, seed=0)
+        losses[precision] = h.history["loss"]
+    assert losses["bf16-mixed"][-1] < losses["bf16-mixed"][0]
+    assert abs(losses["bf16-mixed"][-1] - losses["32"][-1]) < 0.1
