@@ -234,7 +234,7 @@ def _is_batch_iterable(data: Any) -> bool:
     """An iterable of DataBatch (a list of them, a generator), not a tensor container."""
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         return len(data) > 0 and all(isinstance(b, DataBatch) for b in data)
-    if isinstance(data, (torch.Tensor, np.ndarray, Mapping, Dataset)):
+    if isinstance(data, (str, bytes, torch.Tensor, np.ndarray, Mapping, Dataset)):
         return False
     return isinstance(data, Iterable)
 

@@ -153,6 +153,10 @@ class Engine:
         Returns whether the optimizer stepped.
         """
         mgr = self.manager
+        if self.micro_step == 0:
+            # Zeroed here, not after the step, so gradients stay readable until the next
+            # step begins (monitors, callbacks).
+            mgr.zero_grad()
         mgr.load_data_batch(batch)
         mgr.forward(is_train=True)
         self.micro_step += 1
@@ -189,7 +193,6 @@ class Engine:
         if self.scheduler is not None and self.scheduler_interval == "step":
             self.scheduler.step()
         mgr.sync_params()
-        mgr.zero_grad()
 
     def _loss_scale(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         accum = self.config.grad_accum_steps
