@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,14 +13,31 @@ import torch
 from torch import nn
 
 from fitdp.batch import tree_cat, tree_map
+from fitdp import resume as resume_lib
 from fitdp.callbacks import Callback, CallbackList, History
+from fitdp.checkpoint import restore_rng_state, save_checkpoint, load_checkpoint
 from fitdp.data import as_tensors, make_source, split_validation
 from fitdp.devices import DevicesArg
 from fitdp.engine import PRECISIONS, CompileConfig, Engine
+from fitdp.export import export_module
 from fitdp.metrics import MetricsArg, named_metrics
 from fitdp.monitor import Monitor
 from fitdp.objectives import resolve_loss
 from fitdp.optimizers import OptimizerArg, check_optimizer
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where a fit is, for checkpoints: its data source, callbacks and epoch."""
+
+    source: Any = None
+    callbacks: CallbackList | None = None
+    epoch: int = 0
+    epoch_done: bool = False
+
+    @property
+    def resume_epoch(self) -> int:
+        return self.epoch + 1 if self.epoch_done else self.epoch
 
 
 class Model:
@@ -54,6 +74,7 @@ class Model:
         self.is_main_process = True
         self.history: History | None = None
         self._engine: Engine | None = None
+        self._progress = Progress()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -144,11 +165,19 @@ class Model:
             mgr.reserve([*train.provide_data, *train.provide_label])
         if monitor is not None:
             mgr.install_monitor(monitor)
+        self._progress = Progress(train, cbs, initial_epoch)
+        rng = None
+        path = resume_lib.resume_path(resume, cbs.callbacks)
+        if path is not None:
+            initial_epoch, rng = resume_lib.load_for_resume(path, self, train, cbs)
         self.stop_training = False
         logs: dict[str, float] = {}
         cbs.call("on_train_begin", logs)
+        if rng is not None:
+            restore_rng_state(rng)  # last: nothing above may draw from the restored state
         try:
             for epoch in range(initial_epoch, epochs):
+                self._progress.epoch, self._progress.epoch_done = epoch, False
                 train.set_epoch(epoch)
                 engine.reset_logs()
                 cbs.call("on_epoch_begin", epoch, {})
@@ -157,7 +186,12 @@ class Model:
                     val_logs = self._evaluate(val, cbs, log_every)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 if engine.scheduler is not None and engine.scheduler_interval == "epoch":
-                    engine.scheduler.step()
+                    with warnings.catch_warnings():
+                        # After resuming at an epoch's end no optimizer step precedes this
+                        # one in this process; the order is right, torch's warning is not.
+                        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+                        engine.scheduler.step()
+                self._progress.epoch_done = True
                 cbs.call("on_epoch_end", epoch, logs)
                 if self.stop_training:
                     break
@@ -291,7 +325,34 @@ class Model:
             params={"verbose": level, **params},
         )
 
-    # -- weights ------------------------------------------------------------------------
+    # -- weights, checkpoints, export -------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write a checkpoint to ``path`` atomically (only the main process writes).
+
+        It holds the device-averaged weights, optimizer, scheduler and scaler state, the
+        position in the run (epoch, step, position in the epoch), data order and RNG states:
+        ``fit(resume=path)`` continues exactly. Loads with ``torch.load(weights_only=True)``.
+        """
+        state = resume_lib.training_state(self)
+        if self.is_main_process:
+            save_checkpoint(path, state)
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Restore weights (into every replica) and, when compiled, optimizer state.
+
+        Raises:
+            fitdp.CheckpointError: the file is not a sound fitdp checkpoint.
+        """
+        resume_lib.restore_weights(self, load_checkpoint(path))
+
+    def export(self, path: str | os.PathLike[str], example_inputs: Any) -> None:
+        """Write a single-device predictor (``torch.export``, dynamic batch) of the averaged
+        weights in eval mode; load it with ``fitdp.load_predictor(path)``."""
+        if self._engine is not None:
+            self._engine.detach()
+        export_module(self.module, path, example_inputs)
+
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Host copies of every parameter and buffer, averaged over devices."""

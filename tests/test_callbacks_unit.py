@@ -96,7 +96,7 @@ def test_callback_list_skips_hooks_nobody_overrides_and_keeps_order():
     a, b = OnlyEpochEnd(seen), OnlyEpochEnd(seen)
     cbs = CallbackList([a, b], add_history=True)
     assert cbs._hooks["on_train_batch_end"] == []
-    assert isinstance(cbs.callbacks[-1], History) and cbs.history is cbs.callbacks[-1]
+    assert isinstance(cbs.callbacks[0], History) and cbs.history is cbs.callbacks[0]
     cbs.call("on_epoch_end", 0, {"loss": 1.0})
     assert seen == [(a, 0), (b, 0)]
     assert cbs.history.history == {"loss": [1.0]}
@@ -118,10 +118,10 @@ def test_callback_list_order_with_mocks():
         call.second.on_train_batch_end(0, {"loss": 1.0})]
 
 
-def test_callback_list_defaults_progbar_last_history_before_it():
+def test_callback_list_defaults_history_first_progbar_last():
     user = OnlyEpochEnd([])
     cbs = CallbackList([user], add_history=True, add_progbar=True, verbose=1)
-    assert [type(c) for c in cbs] == [OnlyEpochEnd, History, ProgressBar]
+    assert [type(c) for c in cbs] == [History, OnlyEpochEnd, ProgressBar]
     assert [type(c) for c in CallbackList([], add_progbar=True, verbose=0)] == []
     mine = History()
     assert CallbackList([mine, user], add_history=True).history is mine

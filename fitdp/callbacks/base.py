@@ -128,8 +128,9 @@ class CallbackList:
     """The model's view of its callbacks: one `call(hook_name, *args)` dispatches to all.
 
     Only callbacks that override a hook are called for it (precomputed), so a batch hook nobody
-    overrides costs one dict lookup. User callbacks keep their order; a `History` is appended
-    after them and a `ProgressBar` last, as in Keras, unless the user passed their own.
+    overrides costs one dict lookup. User callbacks keep their order; a `History` goes before
+    them (so a checkpoint saved in a user's `on_epoch_end` holds that epoch) and a
+    `ProgressBar` last, unless the user passed their own.
 
     Args:
         callbacks: `Callback` objects (or one), in the order their hooks run.
@@ -167,7 +168,8 @@ class CallbackList:
         self._history = next((cb for cb in self.callbacks if isinstance(cb, History)), None)
         if self._history is None and add_history:
             self._history = History()
-            self.callbacks.append(self._history)
+            # First, so a checkpoint written by a later on_epoch_end includes this epoch.
+            self.callbacks.insert(0, self._history)
         has_bar = any(isinstance(cb, ProgressBar) for cb in self.callbacks)
         if add_progbar and not has_bar and verbose != 0:
             self.callbacks.append(ProgressBar(verbose=verbose))

@@ -1,0 +1,126 @@
+"""fitdp's per-step overhead against a hand-written loop, and two-replica CPU scaling.
+
+Run: python bench/overhead.py [--repeats 7] [--device cpu|cuda:0] [--json out.json]
+
+Each case times, in the same run, ``Model.fit`` and a hand loop over pre-shuffled tensor
+slices (same model, data, optimizer and step count, one thread), interleaved, and reports
+the median time per step of each and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import fitdp
+
+
+def mlp(sizes: list[int]) -> nn.Module:
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def hand_loop(net: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int, device: str) -> Callable[[], None]:
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    net.to(device)
+    x, y = x.to(device), y.to(device)
+
+    def epoch() -> None:
+        perm = torch.randperm(len(x), device=device)
+        xs, ys = x[perm], y[perm]
+        for i in range(0, len(x), bs):
+            opt.zero_grad()
+            F.cross_entropy(net(xs[i:i + bs]), ys[i:i + bs]).backward()
+            opt.step()
+
+    return epoch
+
+
+def fitdp_loop(net: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int, devices: list[str]) -> Callable[[], None]:
+    model = fitdp.Model(net)
+    model.compile(optimizer="adam", lr=1e-3, loss="cross_entropy")
+    if devices[0].startswith("cuda"):
+        x, y = x.to(devices[0]), y.to(devices[0])
+
+    def epoch() -> None:
+        model.fit(x, y, batch_size=bs, epochs=1, devices=devices, verbose=0)
+
+    return epoch
+
+
+def timed(fn: Callable[[], None], sync: bool) -> float:
+    if sync:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if sync:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def compare(name: str, a: Callable[[], None], b: Callable[[], None], steps: int, repeats: int,
+            sync: bool) -> dict[str, float]:
+    """Median seconds per step of ``a`` and ``b``, interleaved so noise hits both alike."""
+    for fn in (a, b):  # warm up
+        fn()
+    ta, tb = [], []
+    for _ in range(repeats):
+        ta.append(timed(a, sync) / steps)
+        tb.append(timed(b, sync) / steps)
+    ma, mb = statistics.median(ta), statistics.median(tb)
+    print(f"{name:<46} {ma * 1e3:9.3f} ms  {mb * 1e3:9.3f} ms  ratio {ma / mb:6.3f}")
+    return {"a_ms": ma * 1e3, "b_ms": mb * 1e3, "ratio": ma / mb}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sync = args.device.startswith("cuda")
+    results: dict[str, dict[str, float]] = {}
+    print(f"{'case (fitdp vs hand loop)':<46} {'fitdp':>12}  {'hand':>12}")
+    for name, sizes, bs, n in [
+        ("tiny MLP 32-64-64-10, batch 32", [32, 64, 64, 10], 32, 32 * 200),
+        ("MLP 784-512-512-10, batch 256", [784, 512, 512, 10], 256, 256 * 20),
+    ]:
+        torch.manual_seed(0)
+        x, y = torch.randn(n, sizes[0]), torch.randint(0, 10, (n,))
+        net = mlp(sizes)
+        results[name] = compare(
+            name, fitdp_loop(copy.deepcopy(net), x, y, bs, [args.device]),
+            hand_loop(copy.deepcopy(net), x, y, bs, args.device), n // bs, args.repeats, sync,
+        )
+    # Scaling: two replicas (one thread each) against one replica, same work.
+    torch.manual_seed(0)
+    n, bs = 256 * 8, 256
+    x, y = torch.randn(n, 1024), torch.randint(0, 10, (n,))
+    net = mlp([1024, 1024, 1024, 10])
+    two = [args.device, args.device]
+    name = f"MLP 1024^3, batch 256: 1 replica / {len(two)} replicas"
+    results["scaling"] = compare(
+        name, fitdp_loop(copy.deepcopy(net), x, y, bs, [args.device]),
+        fitdp_loop(copy.deepcopy(net), x, y, bs, two), n // bs, args.repeats, sync,
+    )
+    print(f"\ntiny MLP overhead:   {results['tiny MLP 32-64-64-10, batch 32']['ratio']:.3f}x (target <= 1.10)")
+    print(f"784-512-512 overhead: {results['MLP 784-512-512-10, batch 256']['ratio']:.3f}x (target <= 1.02)")
+    print(f"2-replica speed-up:  {results['scaling']['ratio']:.3f}x (target >= 1.5)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

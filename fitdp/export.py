@@ -1,0 +1,248 @@
+"""Export a module to one ``torch.export`` ``.pt2`` file and load it back for serving.
+
+Like Caffe2's ``ExtractPredictorNet``: one device's worth of weights in eval mode, dynamic batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import uuid
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch.export import Dim, ExportedProgram
+
+from fitdp.batch import Inputs
+
+_EXPECTED = "a tensor, a tuple/list of tensors (module(*x)) or a dict of tensors (module(**x))"
+_BATCH_HINT = "reshape with -1 or x.shape[0], not a number; no Python branches on the batch size"
+
+
+class InputSpec(NamedTuple):
+    """One input of an exported program: name, shape (None where dynamic), dtype.
+
+    Example:
+        >>> str(InputSpec("x", (None, 4), torch.float32))
+        'x: [batch, 4] float32'
+    """
+
+    name: str
+    shape: tuple[int | None, ...]
+    dtype: torch.dtype | None
+    keyword: bool = False
+
+    def __str__(self) -> str:
+        dims = ", ".join("batch" if d is None else str(d) for d in self.shape)
+        return f"{self.name}: [{dims}] {str(self.dtype).removeprefix('torch.')}"
+
+
+def export_module(module: torch.nn.Module, path: str | os.PathLike, example_inputs: Inputs) -> None:
+    """Write an eval-mode CPU copy of ``module`` to one ``.pt2`` file with a dynamic batch dim.
+
+    In the file Dropout is off and BatchNorm uses running stats; ``module`` itself is untouched.
+
+    Args:
+        module: the module to export.
+        path: the file to write; written atomically (readers never see half a file).
+        example_inputs: a tensor, a tuple/list of tensors (``module(*x)``) or a dict of
+            tensors (``module(**x)``); dim 0 of each is the batch, of any size >= 1.
+
+    Raises:
+        TypeError: ``example_inputs`` is not one of the forms above.
+        ValueError: bad batch sizes, forward fails on the inputs or fixes the batch size.
+        RuntimeError: ``torch.export`` cannot trace forward (e.g. data-dependent control flow).
+        FileNotFoundError: the folder of ``path`` does not exist.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Dropout(0.1))
+        >>> export_module(net, "net.pt2", torch.randn(8, 4))
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot export to {str(path)!r}: its folder does not exist")
+    args, kwargs = _split_inputs(example_inputs)
+    name, given = type(module).__name__, _shapes(args, kwargs)
+    args, kwargs = tuple(map(_for_export, args)), {k: _for_export(t) for k, t in kwargs.items()}
+    # Costs one extra copy of the weights (briefly on the module's device) during the export.
+    net = copy.deepcopy(module).to("cpu").eval()
+    # One eager forward (cheap next to tracing) tells a wrong example from an untraceable net.
+    try:
+        with torch.no_grad():
+            net(*args, **kwargs)
+    except Exception as err:
+        raise ValueError(
+            f"{name}.forward failed on example_inputs ({given}): {type(err).__name__}: {err}. "
+            "Pass one batch shaped like your data"
+        ) from err
+    batch = Dim("batch")
+    dims = {k: {0: batch} for k in kwargs} if kwargs else tuple({0: batch} for _ in args)
+    try:
+        program = torch.export.export(net, args, kwargs, dynamic_shapes=dims)
+    except Exception as err:
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [""]
+        if "CONSTRAINT_VIOLATION" in str(getattr(err, "error_type", "")):
+            why = next((ln[2:] for ln in lines if ln.startswith("- ")), lines[0]).split(". ")[0]
+            raise ValueError(
+                f"cannot export {name} with a dynamic batch dim: forward treats the batch size "
+                f"as a constant ({why}). Fix: {_BATCH_HINT}"
+            ) from err
+        raise RuntimeError(
+            f"torch.export could not trace {name}.forward ({type(err).__name__}: {lines[0]}). "
+            f"Fix: torch.where/torch.cond instead of Python if/loops on tensors; {_BATCH_HINT}"
+        ) from err
+    _atomic_save(program, path)
+
+
+def load_predictor(path: str | os.PathLike) -> Predictor:
+    """Load a ``.pt2`` file written by ``model.export`` or ``torch.export.save``.
+
+    Args:
+        path: the file.
+
+    Returns:
+        A :class:`Predictor`, called like the original module.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not a ``torch.export`` program.
+
+    Example:
+        >>> probs = load_predictor("digits.pt2")(torch.randn(5, 1, 8, 8)).softmax(-1)
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no exported model at {str(path)!r} ({path.resolve()})")
+    try:  # checked first: torch.export.load logs a long traceback for files it cannot read
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except zipfile.BadZipFile:
+        names = []
+    if not any(n.endswith("/archive_format") for n in names):
+        kind = " (a torch.save checkpoint?)" if any(n.endswith("/data.pkl") for n in names) else ""
+        raise ValueError(
+            f"{str(path)!r} is not a torch.export program{kind}; expected a .pt2 file written "
+            "by model.export(...) or torch.export.save"
+        )
+    try:
+        with open(path, "rb") as f:  # a file object: torch wants a .pt2 suffix only on paths
+            program = torch.export.load(f)
+    except Exception as err:
+        raise ValueError(f"{str(path)!r} is not a loadable torch.export program: {err}") from err
+    return Predictor(program, name=str(path))
+
+
+class Predictor:
+    """An exported program, called like the module it came from, under ``torch.no_grad()``.
+
+    Args:
+        program: the ExportedProgram; kept as ``.program`` (e.g. for ``torch.onnx.export``).
+        name: shown in ``repr`` and errors, usually the file path.
+
+    Example:
+        >>> predict = load_predictor("digits.pt2")  # predict.input_spec: names, shapes, dtypes
+        >>> predict(torch.randn(5, 1, 8, 8)).shape
+        torch.Size([5, 10])
+    """
+
+    def __init__(self, program: ExportedProgram, name: str = "<program>") -> None:
+        self.program, self.name = program, name
+        # Already in eval mode as exported; this module refuses .eval()/.train() anyway.
+        self._module = program.module()
+        self.input_spec = _input_spec(program)
+
+    @torch.no_grad()
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check(args, kwargs)
+        return self._module(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Predictor({self.name!r}, inputs=({', '.join(map(str, self.input_spec))}))"
+
+    def _check(self, args: tuple, kwargs: dict) -> None:
+        """Raise clear errors for inputs that do not match ``input_spec`` (torch's are terse)."""
+        positional = [s for s in self.input_spec if not s.keyword]
+        keywords = {s.name: s for s in self.input_spec if s.keyword}
+        if len(args) != len(positional) or set(kwargs) != set(keywords):
+            raise TypeError(
+                f"{self.name} expects ({', '.join(map(str, self.input_spec))}); got "
+                f"{len(args)} positional input(s) and keyword(s) {sorted(kwargs)}"
+            )
+        pairs = list(zip(positional, args)) + [(keywords[k], v) for k, v in kwargs.items()]
+        pairs = [(s, v) for s, v in pairs if s.dtype is not None]  # skip non-tensor inputs
+        for spec, v in pairs:
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"{self.name}: input {spec} needs a tensor, got {type(v).__name__}")
+            dims_ok = all(d in (None, n) for d, n in zip(spec.shape, v.shape))
+            if v.dtype != spec.dtype or v.dim() != len(spec.shape) or not dims_ok:
+                got = f"{list(v.shape)} {v.dtype}"
+                raise ValueError(f"{self.name}: {spec.name!r} got {got}, expected {spec}")
+        if len({v.shape[0] for _, v in pairs if v.dim()}) > 1:
+            shapes = ", ".join(f"{s.name}: {list(v.shape)}" for s, v in pairs)
+            raise ValueError(f"{self.name}: inputs disagree on the batch size: {shapes}")
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Validate ``example_inputs`` and return them as ``(args, kwargs)``."""
+    x = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    if not isinstance(x, (tuple, list, Mapping)):
+        raise TypeError(f"example_inputs must be {_EXPECTED}, got {type(example_inputs).__name__}")
+    args, kwargs = ((), dict(x)) if isinstance(x, Mapping) else (tuple(x), {})
+    for where, t in list(enumerate(args)) + [(repr(k), t) for k, t in kwargs.items()]:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"example_inputs[{where}] must be a tensor, got {type(t).__name__}")
+        if t.dim() == 0 or t.shape[0] == 0:
+            raise ValueError(f"example_inputs[{where}] has shape {list(t.shape)}: no batch dim")
+    if len({t.shape[0] for t in [*args, *kwargs.values()]}) > 1:
+        raise ValueError(f"example_inputs disagree on the batch size: {_shapes(args, kwargs)}")
+    return args, kwargs
+
+
+def _for_export(t: torch.Tensor) -> torch.Tensor:
+    """CPU copy of one example input, tiled to 2 rows if it has 1."""
+    # torch.export pins sizes 0 and 1 to constants; two copies of the row keep the batch symbolic.
+    return (t.repeat(2, *[1] * (t.dim() - 1)) if t.shape[0] == 1 else t).detach().to("cpu")
+
+
+def _shapes(args: tuple, kwargs: dict) -> str:
+    """``[key]: shape`` of each input, for error messages."""
+    named = list(enumerate(args)) + [(repr(k), v) for k, v in kwargs.items()]
+    return ", ".join(f"[{k}]: {list(v.shape)}" for k, v in named)
+
+
+def _input_spec(program: ExportedProgram) -> list[InputSpec]:
+    """Names, shapes and dtypes of the program's user inputs, read from its graph."""
+    user = program.graph_signature.user_inputs
+    vals = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    # user_inputs are the leaves of (args, kwargs): unflattening their indices finds keywords.
+    _, kwargs = program.call_spec.in_spec.unflatten(list(range(len(user))))
+    keyword = {i: k for k, i in kwargs.items() if isinstance(i, int)}
+    specs = []
+    for i, name in enumerate(user):
+        val = vals.get(name)
+        shape = tuple(d if isinstance(d, int) else None for d in getattr(val, "shape", ()))
+        dtype = getattr(val, "dtype", None)  # None: a non-tensor input
+        specs.append(InputSpec(keyword.get(i, name), shape, dtype, i in keyword))
+    return specs
+
+
+def _atomic_save(program: ExportedProgram, path: Path) -> None:
+    """Write ``program`` to a temp file beside ``path``, fsync it, then rename over ``path``."""
+    # Same folder, so os.replace is a rename on one file system: readers see old or new file.
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            torch.export.save(program, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if os.name == "posix":  # the rename survives a crash only once the folder is synced too
+        fd = os.open(path.parent, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
