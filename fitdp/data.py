@@ -46,18 +46,23 @@ class TensorSource:
     """
 
     def __init__(
-        self, x: Any, y: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0
+        self, x: Any, y: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+        rank: int = 0, world_size: int = 1,
     ) -> None:
         self.x, self.y = x, y
         self.num_samples = batch_length(x)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
+        self.rank, self.world_size = rank, world_size
+        # Under torch.distributed every step takes one global batch of batch_size rows per
+        # rank, split evenly; every rank runs the same number of steps.
+        self.global_batch = batch_size * world_size
         self.epoch = 0
         self.position = 0
 
     def __len__(self) -> int:
-        return -(-self.num_samples // self.batch_size)
+        return -(-self.num_samples // self.global_batch)
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -72,9 +77,8 @@ class TensorSource:
         # One gather per epoch, then every batch is a view: the cheapest way to batch tensors.
         x = tree_map(lambda t: t[index], self.x) if self.shuffle else self.x
         y = tree_map(lambda t: t[index], self.y) if self.shuffle else self.y
-        bs = self.batch_size
         while self.position < len(self):
-            sl = slice(self.position * bs, (self.position + 1) * bs)
+            sl = self._rows(self.position)
             self.position += 1
             yield DataBatch(
                 tree_map(lambda t: t[sl], x),
@@ -83,11 +87,98 @@ class TensorSource:
             )
         self.epoch, self.position = self.epoch + 1, 0
 
+    def _rows(self, step: int) -> slice:
+        """This rank's rows of global batch ``step``: an even split, earlier ranks first."""
+        start = step * self.global_batch
+        rows = min(self.global_batch, self.num_samples - start)
+        base, extra = divmod(rows, self.world_size)
+        begin = start + self.rank * base + min(self.rank, extra)
+        return slice(begin, begin + base + (self.rank < extra))
+
     def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
+                "global_batch": self.global_batch}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self.seed, self.epoch = state["seed"], state["epoch"]
+        # Resuming with another world size or batch: continue after the samples already seen
+        # (exact when the old global batch is a multiple of the new one).
+        self.position = state["position"] * state.get("global_batch", self.global_batch)
+        self.position //= self.global_batch
+
+
+class ShardedSource:
+    """Round-robin the batches of any source over ranks: rank r trains batches r, r+W, ...
+
+    Every rank runs ``ceil(batches / W)`` steps; a rank with no batch left in the last step
+    gets an empty one, so no rank waits in a collective for a peer that has stopped.
+    """
+
+    def __init__(self, source: Any, rank: int, world_size: int) -> None:
+        self.source = source
+        self.rank, self.world_size = rank, world_size
+        self.num_samples = getattr(source, "num_samples", None)
+        self.steps_done = 0
+        try:
+            self.steps = -(-len(source) // world_size)
+        except TypeError:
+            raise ValueError(
+                f"data: under torch.distributed fitdp must know how many batches each rank "
+                f"gets, but {type(source).__name__} has no len(). Fix: pass a DataLoader, a "
+                f"Dataset, tensors or a BucketIterator."
+            ) from None
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getattr__(self, name: str) -> Any:  # default_bucket_key, provide_data, ...
+        return getattr(self.source, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != getattr(self.source, "epoch", epoch):
+            self.steps_done = 0
+        self.source.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[DataBatch]:
+        template = None
+        for i, batch in enumerate(self.source):
+            template = template or batch
+            if i % self.world_size == self.rank:
+                self.steps_done += 1
+                yield batch
+        if template is not None:
+            empty = DataBatch(tree_map(lambda t: t[:0], template.data),
+                              tree_map(lambda t: t[:0], template.label))
+            while self.steps_done < self.steps:
+                self.steps_done += 1
+                yield empty
+        self.steps_done = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        # Every rank resumes at the start of the round it was in, whichever rank saved.
+        return {**self.source.state_dict(), "position": self.steps_done * self.world_size}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.source.load_state_dict(state)
+        self.steps_done = state["position"] // self.world_size
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """Sample order as a function of (seed, epoch) alone, so a resumed run sees the same order."""
+
+    def __init__(self, n: int, *, seed: int, shuffle: bool) -> None:
+        self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.n))
+        return iter(torch.randperm(self.n, generator=_epoch_generator(self.seed, self.epoch)).tolist())
 
 
 class LoaderSource:
@@ -103,6 +194,7 @@ class LoaderSource:
         self.structure: Any = None
         self.epoch = 0
         self.position = 0
+        self.epoch_rng: torch.Tensor | None = None
         self.num_samples = _maybe_len(getattr(loader, "dataset", None))
 
     def __len__(self) -> int:
@@ -116,7 +208,15 @@ class LoaderSource:
             self.epoch, self.position = epoch, 0
 
     def __iter__(self) -> Iterator[DataBatch]:
-        for i, item in enumerate(self.loader):
+        # A shuffling DataLoader draws its order from torch's global RNG when the iterator is
+        # made: remember that state, so a run resumed mid-epoch replays the same order.
+        now = torch.get_rng_state()
+        if self.position > 0 and self.epoch_rng is not None:
+            torch.set_rng_state(self.epoch_rng)
+        self.epoch_rng = torch.get_rng_state()
+        batches = iter(self.loader)
+        torch.set_rng_state(now)
+        for i, item in enumerate(batches):
             if i < self.position:
                 continue  # resuming mid-epoch: these batches were trained before the stop
             batch = item if isinstance(item, DataBatch) else self._to_batch(item, i)
@@ -148,11 +248,12 @@ class LoaderSource:
             )
         return DataBatch(x, y)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "rng": self.epoch_rng}
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
+        self.epoch_rng = state.get("rng")
 
 
 def _maybe_len(obj: Any) -> int | None:
@@ -170,8 +271,11 @@ def make_source(
     shuffle: bool,
     seed: int,
     has_labels: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Any:
-    """Turn what a user passed to fit/evaluate/predict into a data source.
+    """Turn what a user passed to fit/evaluate/predict into a data source (this rank's share
+    of it under torch.distributed).
 
     Raises:
         ValueError: empty data, or inputs and targets of different lengths.
@@ -179,6 +283,16 @@ def make_source(
     """
     if data is None:
         raise ValueError("data: got None; expected tensors, a Dataset, a DataLoader or batches")
+    source = _batch_source(data, y, batch_size, shuffle, seed, has_labels)
+    if source is None:
+        return _tensor_source(data, y, batch_size, shuffle, seed, has_labels, rank, world_size)
+    return source if world_size == 1 else ShardedSource(source, rank, world_size)
+
+
+def _batch_source(
+    data: Any, y: Any, batch_size: int, shuffle: bool, seed: int, has_labels: bool
+) -> Any:
+    """A source for data that comes in batches (or a Dataset); None for in-memory tensors."""
     if all(hasattr(data, a) for a in ("set_epoch", "state_dict", "load_state_dict", "__iter__")):
         return data  # a source already, e.g. a BucketIterator
     if isinstance(data, DataLoader) or _is_batch_iterable(data):
@@ -195,9 +309,16 @@ def make_source(
         n = _maybe_len(data)
         if n == 0:
             raise ValueError("data: the Dataset is empty; expected at least one sample")
-        g = torch.Generator().manual_seed(seed)
-        loader = DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=g)
+        sampler = EpochSampler(n if n is not None else 0, seed=seed, shuffle=shuffle)
+        loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
         return LoaderSource(loader, has_labels=has_labels)
+    return None
+
+
+def _tensor_source(
+    data: Any, y: Any, batch_size: int, shuffle: bool, seed: int, has_labels: bool, rank: int,
+    world_size: int,
+) -> TensorSource:
     if y is None and isinstance(data, tuple) and len(data) == 2 and has_labels:
         data, y = data
     x = as_tensors(data, "data")
@@ -220,7 +341,8 @@ def make_source(
                 )
     elif has_labels:
         raise ValueError("y: got no targets; pass y=... or data=(x, y) to train or evaluate")
-    return TensorSource(x, y, batch_size, shuffle=shuffle, seed=seed)
+    return TensorSource(x, y, batch_size, shuffle=shuffle, seed=seed, rank=rank,
+                        world_size=world_size)
 
 
 def _leaves_with_names(tree: Any, name: str) -> list[tuple[str, torch.Tensor]]:

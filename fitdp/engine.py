@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from fitdp.batch import DataBatch, tree_leaves
 from fitdp.devices import DevicesArg, resolve_devices
+from fitdp.distributed import all_reduce_sum, average_buffers, broadcast_module
 from fitdp.executor.manager import DataParallelExecutorManager
 from fitdp.executor.slicing import check_work_load_list
 from fitdp.metrics import DeviceMetrics
@@ -33,6 +35,7 @@ class CompileConfig:
     grad_clip_norm: float | None = None
     grad_accum_steps: int = 1
     compile: bool = False
+    sync_batchnorm: bool = False
 
 
 class Engine:
@@ -84,6 +87,8 @@ class Engine:
                 "precision='16-mixed' uses a CUDA GradScaler, but devices include the CPU. "
                 "Fix: precision='bf16-mixed' on the CPU, or run on CUDA devices."
             )
+        if distributed and self.config.sync_batchnorm:
+            self._convert_sync_batchnorm(devs)
         key = (tuple(devs), tuple(loads), default_bucket_key, distributed)
         if self.mgr is None or key != self.key:
             previous = None
@@ -100,8 +105,26 @@ class Engine:
             self._build_optimizer(previous)
             self.metrics = DeviceMetrics(self.config.metrics, devs) if self.config.metrics else None
             self.scaler = torch.amp.GradScaler("cuda") if dtype is torch.float16 else None
+        if distributed:
+            broadcast_module(self.module)  # every rank starts from rank 0's weights
         self.mgr.set_params(*self.host_state())
         return self.mgr
+
+    def _convert_sync_batchnorm(self, devices: Sequence[torch.device]) -> None:
+        """Caffe2's ``combine_spatial_bn``: BatchNorm statistics over every rank's batch."""
+        if any(d.type != "cuda" for d in devices):
+            raise ValueError(
+                "compile(sync_batchnorm=True): torch's SyncBatchNorm runs on CUDA only, but "
+                f"devices are {[str(d) for d in devices]}. Fix: drop sync_batchnorm on the CPU "
+                "(fitdp then averages BatchNorm running statistics over ranks at epoch ends)."
+            )
+        if not any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules()):
+            converted = nn.SyncBatchNorm.convert_sync_batchnorm(self.module)
+            if converted is not self.module:
+                raise ValueError(
+                    "compile(sync_batchnorm=True): the module itself is a BatchNorm layer; wrap "
+                    "it in an nn.Sequential so it can be converted in place"
+                )
 
     @property
     def manager(self) -> DataParallelExecutorManager:
@@ -213,10 +236,28 @@ class Engine:
     def read_logs(self) -> dict[str, float]:
         """Mean loss and every metric so far (the one host sync of a log point)."""
         total, count = self.manager.loss_state()
-        logs = {"loss": float(total) / count} if count else {}
+        if self.manager.distributed:
+            both = torch.stack([total.double().reshape(()), torch.tensor(float(count)).to(total)])
+            total, count = all_reduce_sum(both)  # type: ignore[assignment]
+        logs = {"loss": float(total) / float(count)} if count else {}
         if self.metrics:
             logs.update(self.metrics.compute())
         return logs
+
+    def step_epoch_scheduler(self) -> None:
+        """Step a per-epoch LR scheduler (at the end of every epoch)."""
+        if self.scheduler is not None and self.scheduler_interval == "epoch":
+            with warnings.catch_warnings():
+                # After resuming at an epoch's end no optimizer step precedes this one in
+                # this process; the order is right, torch's warning is not.
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+                self.scheduler.step()
+
+    def sync_buffers(self) -> None:
+        """Average BatchNorm running statistics over ranks (and this rank's replicas)."""
+        mgr = self.manager
+        if mgr.distributed and mgr.aux_arrays:
+            average_buffers(mgr.aux_arrays, torch.distributed.get_world_size())
 
     def reset_logs(self) -> None:
         self.manager.reset_loss()

@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from fitdp.batch import tree_cat, tree_map
+from fitdp import distributed
 from fitdp import resume as resume_lib
+from fitdp.args import check_callbacks, check_int, resolve_seed, verbose_level
 from fitdp.callbacks import Callback, CallbackList, History
-from fitdp.checkpoint import restore_rng_state, save_checkpoint, load_checkpoint
+from fitdp.checkpoint import load_checkpoint, restore_rng_state, save_checkpoint
 from fitdp.data import as_tensors, make_source, split_validation
-from fitdp.devices import DevicesArg
+from fitdp.devices import DevicesArg, resolve_devices
+from fitdp.distributed import DEFAULT_TIMEOUT, DistInfo, report_failure
 from fitdp.engine import PRECISIONS, CompileConfig, Engine
 from fitdp.export import export_module
+from fitdp.loop import assemble, run_batches
 from fitdp.metrics import MetricsArg, named_metrics
 from fitdp.monitor import Monitor
 from fitdp.objectives import resolve_loss
@@ -92,20 +93,25 @@ class Model:
         grad_clip_norm: float | None = None,
         grad_accum_steps: int = 1,
         compile: bool = False,
+        sync_batchnorm: bool = False,
     ) -> None:
-        """Choose the optimizer, loss and metrics (see API.md). Resets optimizer state."""
+        """Choose the optimizer, loss and metrics (see API.md). Resets optimizer state.
+
+        ``sync_batchnorm``: under torch.distributed on CUDA, BatchNorm layers become
+        ``torch.nn.SyncBatchNorm`` (statistics over every rank's batch).
+        """
         check_optimizer(optimizer)
         resolve_loss(loss)
         if precision not in PRECISIONS:
             raise ValueError(f"precision: got {precision!r}; expected one of {list(PRECISIONS)}")
         if grad_clip_norm is not None and not grad_clip_norm > 0:
             raise ValueError(f"grad_clip_norm: got {grad_clip_norm}; expected a positive number")
-        _check_int("grad_accum_steps", grad_accum_steps, 1)
+        check_int("grad_accum_steps", grad_accum_steps, 1)
         if lr is not None and not lr > 0:
             raise ValueError(f"lr: got {lr}; expected a positive learning rate")
         config = CompileConfig(
             optimizer, loss, named_metrics(metrics), lr, lr_scheduler, precision,
-            grad_clip_norm, grad_accum_steps, compile,
+            grad_clip_norm, grad_accum_steps, compile, sync_batchnorm,
         )
         if self._engine is not None and self._engine.mgr is not None:
             self._engine.detach()
@@ -130,20 +136,24 @@ class Model:
         verbose: int | str = "auto",
         seed: int | None = None,
         monitor: Monitor | None = None,
-        resume: str | None = None,
+        resume: str | os.PathLike[str] | None = None,
         log_every: int = 50,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> History:
-        """Train for ``epochs`` epochs; returns the ``History`` (see API.md)."""
+        """Train for ``epochs`` epochs; returns the ``History`` (see API.md).
+
+        ``log_every``: batches between host reads of loss and metrics. ``timeout``: seconds
+        a collective may wait under torch.distributed before every rank fails.
+        """
         engine = self._compiled("fit")
-        _check_int("batch_size", batch_size, 1)
-        _check_int("epochs", epochs, 0)
-        _check_int("initial_epoch", initial_epoch, 0)
-        _check_int("log_every", log_every, 1)
+        for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
+                                 ("initial_epoch", initial_epoch, 0), ("log_every", log_every, 1)):
+            check_int(name, value, low)
         if steps_per_epoch is not None:
-            _check_int("steps_per_epoch", steps_per_epoch, 1)
+            check_int("steps_per_epoch", steps_per_epoch, 1)
         if monitor is not None and not isinstance(monitor, Monitor):
             raise TypeError(f"monitor: got {type(monitor).__name__}; expected a fitdp.Monitor")
-        seed = _resolve_seed(seed)
+        seed = resolve_seed(seed)
         if validation_split:
             if validation_data is not None:
                 raise ValueError("validation_split: pass validation_data or validation_split, not both")
@@ -153,21 +163,23 @@ class Model:
                 as_tensors(data, "data"), as_tensors(y, "y"), validation_split
             )
             validation_data = (vx, vy)
-        train = make_source(data, y, batch_size=batch_size, shuffle=shuffle, seed=seed)
-        val = None
-        if validation_data is not None:
-            val = make_source(validation_data, None, batch_size=batch_size, shuffle=False, seed=seed)
-        cbs = self._callbacks(callbacks, verbose, epochs=epochs, steps=steps_per_epoch or _len(train),
-                              batch_size=batch_size)
+        info = self._join(devices, timeout)
+        train = make_source(data, y, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                            rank=info.rank, world_size=info.world_size)
+        val = None if validation_data is None else make_source(
+            validation_data, None, batch_size=batch_size, shuffle=False, seed=seed,
+            rank=info.rank, world_size=info.world_size)
+        cbs = self._callbacks(callbacks, verbose, epochs=epochs, batch_size=batch_size,
+                              steps=steps_per_epoch or _len(train))
         mgr = engine.attach(devices, work_load_list, batch_size if hasattr(train, "x") else None,
-                            default_bucket_key=getattr(train, "default_bucket_key", None))
+                            getattr(train, "default_bucket_key", None), info.enabled)
         if hasattr(train, "provide_data"):
             mgr.reserve([*train.provide_data, *train.provide_label])
         if monitor is not None:
             mgr.install_monitor(monitor)
         self._progress = Progress(train, cbs, initial_epoch)
-        rng = None
         path = resume_lib.resume_path(resume, cbs.callbacks)
+        rng = None
         if path is not None:
             initial_epoch, rng = resume_lib.load_for_resume(path, self, train, cbs)
         self.stop_training = False
@@ -181,20 +193,21 @@ class Model:
                 train.set_epoch(epoch)
                 engine.reset_logs()
                 cbs.call("on_epoch_begin", epoch, {})
-                logs = self._run("train", train, cbs, steps_per_epoch, log_every, monitor)
+                logs = run_batches(self, engine, "train", train, cbs, steps_per_epoch,
+                                   log_every, monitor)
+                engine.sync_buffers()
                 if val is not None:
                     val_logs = self._evaluate(val, cbs, log_every)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
-                if engine.scheduler is not None and engine.scheduler_interval == "epoch":
-                    with warnings.catch_warnings():
-                        # After resuming at an epoch's end no optimizer step precedes this
-                        # one in this process; the order is right, torch's warning is not.
-                        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
-                        engine.scheduler.step()
+                engine.step_epoch_scheduler()
                 self._progress.epoch_done = True
                 cbs.call("on_epoch_end", epoch, logs)
                 if self.stop_training:
                     break
+        except BaseException as err:
+            if info.enabled:
+                report_failure(info, err)
+            raise
         finally:
             engine.detach()
             if monitor is not None:
@@ -214,11 +227,15 @@ class Model:
         callbacks: Sequence[Callback] | None = None,
         verbose: int | str = "auto",
     ) -> dict[str, float]:
-        """Loss and every metric over ``data``: ``{"loss": ..., "<metric>": ...}``."""
+        """Loss and every metric over ``data``: ``{"loss": ..., "<metric>": ...}``; exact over
+        the whole data set under torch.distributed too."""
         engine = self._compiled("evaluate")
-        _check_int("batch_size", batch_size, 1)
-        source = make_source(data, y, batch_size=batch_size, shuffle=False, seed=0)
-        engine.attach(devices, None, batch_size if hasattr(source, "x") else None)
+        check_int("batch_size", batch_size, 1)
+        info = self._join(devices, DEFAULT_TIMEOUT)
+        source = make_source(data, y, batch_size=batch_size, shuffle=False, seed=0,
+                             rank=info.rank, world_size=info.world_size)
+        engine.attach(devices, None, batch_size if hasattr(source, "x") else None,
+                      distributed=info.enabled)
         cbs = self._callbacks(callbacks, verbose, steps=_len(source), batch_size=batch_size)
         return self._evaluate(source, cbs, log_every=50)
 
@@ -226,72 +243,36 @@ class Model:
         self, data: Any, *, batch_size: int = 32, devices: DevicesArg = "auto",
         callbacks: Sequence[Callback] | None = None,
     ) -> Any:
-        """Outputs for every sample, one row per input sample, in input order, on the CPU."""
+        """Outputs for every sample, one row per input sample, in input order, on the CPU
+        (under torch.distributed: all rows, on every rank)."""
         if self._engine is None:  # Keras predicts without compile; so do we
             self._engine = Engine(self.module, CompileConfig(None, None, {}), self.bucket_module)
-        _check_int("batch_size", batch_size, 1)
+        check_int("batch_size", batch_size, 1)
+        info = self._join(devices, DEFAULT_TIMEOUT)
         source = make_source(data, None, batch_size=batch_size, shuffle=False, seed=0,
-                             has_labels=False)
-        self._engine.attach(devices, None, batch_size if hasattr(source, "x") else None)
+                             has_labels=False, rank=info.rank, world_size=info.world_size)
+        self._engine.attach(devices, None, batch_size if hasattr(source, "x") else None,
+                            distributed=info.enabled)
         cbs = self._callbacks(callbacks, 0, steps=_len(source), batch_size=batch_size)
         cbs.call("on_predict_begin", {})
-        outputs, index = self._run("predict", source, cbs, None, 1)
+        rows = run_batches(self, self._engine, "predict", source, cbs)
         cbs.call("on_predict_end", {})
-        if not outputs:
-            raise ValueError("data: no batches to predict on; expected at least one sample")
-        result = tree_cat(outputs)
-        if index is not None:  # e.g. a BucketIterator: put the rows back in input order
-            order = torch.argsort(index)
-            result = tree_map(lambda t: t[order], result)
-        return result
-
-    # -- the loop, written once for train / test / predict ------------------------------
-
-    def _run(
-        self, mode: str, source: Any, cbs: CallbackList, steps: int | None, log_every: int,
-        monitor: Monitor | None = None,
-    ) -> Any:
-        engine = self._compiled(mode)
-        begin, end = f"on_{mode}_batch_begin", f"on_{mode}_batch_end"
-        sync_each = cbs.sync_every_batch
-        logs: dict[str, float] = {}
-        outputs: list[Any] = []
-        indices: list[torch.Tensor | None] = []
-        batches = source if steps is None else itertools.islice(source, steps)
-        for step, batch in enumerate(batches):
-            if step == 0:
-                engine.check_batch(batch)
-            cbs.call(begin, step, {})
-            if monitor is not None:
-                monitor.tic()
-            if mode == "train":
-                self.global_step += engine.train_step(batch)
-            else:
-                engine.eval_step(batch, with_metrics=mode == "test")
-            if monitor is not None:
-                monitor.toc_print()
-            if mode == "predict":
-                outputs.append(tree_cat([tree_map(_to_host, o) for o in engine.manager.outputs()]))
-                indices.append(batch.index)
-            elif sync_each or (step + 1) % log_every == 0:
-                logs = engine.read_logs()  # a host sync: only at log points
-            cbs.call(end, step, logs)
-            if self.stop_training:
-                break
-        if mode == "predict":
-            full = None if any(i is None for i in indices) or not indices else torch.cat(indices)  # type: ignore[misc]
-            return outputs, full
-        if mode == "train":
-            self.global_step += engine.flush()
-        return engine.read_logs()
+        return assemble(rows, info.rank, info.world_size)
 
     def _evaluate(self, source: Any, cbs: CallbackList, log_every: int) -> dict[str, float]:
         engine = self._compiled("evaluate")
         engine.reset_logs()
         cbs.call("on_test_begin", {})
-        logs = self._run("test", source, cbs, None, log_every)
+        logs = run_batches(self, engine, "test", source, cbs, None, log_every)
         cbs.call("on_test_end", logs)
         return logs
+
+    def _join(self, devices: DevicesArg, timeout: float) -> DistInfo:
+        """Under torchrun, join the job; decides ``is_main_process``."""
+        info = distributed.from_env()
+        distributed.join(info, resolve_devices(devices), timeout)
+        self.is_main_process = info.is_main
+        return info
 
     def _compiled(self, what: str) -> Engine:
         if self._engine is None or (what == "fit" and self._engine.config.optimizer is None):
@@ -304,24 +285,10 @@ class Model:
     def _callbacks(
         self, callbacks: Sequence[Callback] | None, verbose: int | str, **params: Any
     ) -> CallbackList:
-        if callbacks is not None:
-            if isinstance(callbacks, Callback) or not isinstance(callbacks, Sequence):
-                raise TypeError(
-                    f"callbacks: got {type(callbacks).__name__}; expected a list of "
-                    f"fitdp.callbacks.Callback"
-                )
-            for cb in callbacks:
-                if not isinstance(cb, Callback):
-                    raise TypeError(
-                        f"callbacks: got an entry of type {type(cb).__name__}; expected "
-                        f"fitdp.callbacks.Callback instances"
-                    )
-        level = 1 if verbose == "auto" else verbose
-        if level not in (0, 1, 2):
-            raise ValueError(f"verbose: got {verbose!r}; expected 'auto', 0, 1 or 2")
+        level = verbose_level(verbose)
         return CallbackList(
-            list(callbacks or []), model=self, add_history=True,
-            add_progbar=bool(level) and self.is_main_process, verbose=int(level),
+            check_callbacks(callbacks), model=self, add_history=True,
+            add_progbar=bool(level) and self.is_main_process, verbose=level,
             params={"verbose": level, **params},
         )
 
@@ -360,6 +327,13 @@ class Model:
             self._engine.detach()
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
+    def nonfinite_weights(self) -> list[str]:
+        """Names of floating-point weights holding NaN or inf (no copy; one host sync)."""
+        if self._engine is not None:
+            self._engine.detach()
+        return [k for k, t in self.module.state_dict().items()
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load ``weights`` (by name) into the host module and every replica."""
         self.module.load_state_dict(weights)
@@ -367,28 +341,8 @@ class Model:
             self._engine.mgr.set_params(*self._engine.host_state())
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)
-
-
 def _len(source: Any) -> int | None:
     try:
         return len(source)
     except TypeError:
         return None
-
-
-def _resolve_seed(seed: int | None) -> int:
-    if seed is None:
-        # Drawn from torch's global RNG, so torch.manual_seed makes the data order reproducible.
-        return int(torch.randint(0, 2**62, (1,)).item())
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed: got {type(seed).__name__}; expected an int or None")
-    return seed
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}); expected an int")
-    if value < minimum:
-        raise ValueError(f"{name}: got {value}; expected an int >= {minimum}")

@@ -27,9 +27,12 @@ def training_state(model: Model) -> dict[str, Any]:
 
     engine = model._engine
     progress = model._progress
+    if engine is not None:
+        engine.detach()  # average the replicas into the host module, in place
     state: dict[str, Any] = {
         "fitdp_version": __version__,
-        "module": model.get_weights(),
+        # The host tensors themselves, no copy: torch.save writes them before returning.
+        "module": model.module.state_dict(),
         "global_step": model.global_step,
         "epoch": progress.resume_epoch,
         "data": progress.source.state_dict() if progress.source is not None else None,

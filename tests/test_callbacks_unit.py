@@ -50,6 +50,9 @@ class FakeModel:
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(weights)
 
+    def nonfinite_weights(self) -> list[str]:
+        return [k for k, t in self.module.state_dict().items() if not torch.isfinite(t).all()]
+
     def fill(self, value: float) -> None:
         with torch.no_grad():
             for p in self.module.parameters():

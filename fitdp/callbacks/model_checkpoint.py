@@ -8,8 +8,6 @@ import string
 import warnings
 from typing import Any
 
-import torch
-
 from fitdp.callbacks._monitor import (check_count, check_save_freq, is_finite, is_improvement,
                                       monitor_value, resolve_mode)
 from fitdp.callbacks.base import Callback
@@ -103,9 +101,7 @@ class ModelCheckpoint(Callback):
         improved = current is not None and is_improvement(current, self.best, self.mode, 0.0)
         if self.save_best_only and not improved:
             return
-        # Costs one host copy of the weights per save, small next to writing the file.
-        bad = [k for k, t in self.model.get_weights().items()
-               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        bad = self.model.nonfinite_weights()
         if bad:
             warnings.warn(f"ModelCheckpoint skipped the save at {where}: non-finite values in "
                           f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}.",

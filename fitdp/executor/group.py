@@ -24,7 +24,7 @@ class DataParallelExecutorGroup:
         workers: the manager's device threads.
         bucket_key: the bucket this group runs (None without bucketing).
         compile: ``torch.compile`` each replica (one graph per input shape).
-        logger: where bucketing warnings go.
+        logger: where the bucketing re-allocation warning goes (default: ``fitdp``).
 
     Example:
         >>> g = DataParallelExecutorGroup([nn.Linear(3, 1)], [torch.device("cpu")], [{}],
@@ -46,8 +46,9 @@ class DataParallelExecutorGroup:
     ) -> None:
         self.bucket_key = bucket_key
         self.workers = workers
+        self.logger = logger or logging.getLogger("fitdp")
         self.executors = [
-            Executor(m, d, b, compile=compile, warn_on_grow=bucket_key is not None, logger=logger)
+            Executor(m, d, b, compile=compile, warn_on_grow=bucket_key is not None)
             for m, d, b in zip(modules, devices, shared_buffers)
         ]
         named = [dict(m.named_parameters()) for m in modules]
@@ -72,17 +73,34 @@ class DataParallelExecutorGroup:
         valid_end = batch.batch_size - batch.pad
         if len(slices) == 1:
             self.executors[0].load(batch.data, batch.label, valid_end)
+            self._warn_grown()
             return
         for ex, sl in zip(self.executors, slices):
             valid = max(0, min(sl.stop, valid_end) - sl.start)
             label = None if batch.label is None else tree_map(lambda t, sl=sl: t[sl], batch.label)
             ex.load(tree_map(lambda t, sl=sl: t[sl], batch.data), label, valid)
+        self._warn_grown()
+
+    def _warn_grown(self) -> None:
+        """The seed's re-allocation warning, once per input name for all devices."""
+        grown: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        for ex in self.executors:
+            for name, shape, allocated in ex.grown:
+                grown.setdefault(name, (shape, allocated))
+            ex.grown.clear()
+        for name, (shape, allocated) in grown.items():
+            self.logger.warning(
+                'bucketing: data "%s" has a shape %s, which is larger than already allocated '
+                "shape %s. Need to re-allocate. Consider putting default_bucket_key to be "
+                "the bucket taking the largest input for better memory sharing.",
+                name, shape, allocated,
+            )
 
     def forward(
         self,
         is_train: bool,
         loss_fn: LossFn | None,
-        total_rows: int,
+        total_rows: int | torch.Tensor,
         autocast_dtype: torch.dtype | None,
     ) -> None:
         """Run every replica on its slice; each loss is weighted by ``valid / total_rows``."""
@@ -90,7 +108,8 @@ class DataParallelExecutorGroup:
             for ex in self.executors:
                 ex.module.train(is_train)
             self._is_train = is_train
-        denom = float(max(total_rows, 1))
+        denom = total_rows.clamp(min=1) if isinstance(total_rows, torch.Tensor) else float(
+            max(total_rows, 1))
         self._run(lambda ex: ex.forward(is_train, loss_fn, ex.valid / denom, autocast_dtype))
 
     def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:

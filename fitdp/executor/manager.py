@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fitdp.batch import DataBatch, tree_map
@@ -120,8 +121,13 @@ class DataParallelExecutorManager:
         return self.curr_execgrp.slices
 
     def load_data_batch(self, data_batch: DataBatch) -> None:
-        """Pick (or create, on first sight) the batch's bucket group and load the batch."""
-        key = data_batch.bucket_key if self.bucket_module is not None else self.default_bucket_key
+        """Pick (or create, on first sight) the batch's bucket group and load the batch.
+
+        A batch without a bucket key (e.g. validation tensors next to bucketed training data)
+        runs the default bucket, as does every batch without ``bucket_module``."""
+        key = data_batch.bucket_key
+        if self.bucket_module is None or key is None:
+            key = self.default_bucket_key
         group = self.groups.get(key) if _hashable(key) else None
         if group is None:
             group = self._bucket_group(key)
@@ -138,8 +144,20 @@ class DataParallelExecutorManager:
                 equal the whole-batch gradient.
         """
         group = self.curr_execgrp
-        total = sum(ex.valid for ex in group.executors) if total_rows is None else total_rows
+        total: int | torch.Tensor | None = total_rows
+        if total is None:
+            total = sum(ex.valid for ex in group.executors)
+            if self.distributed and self.loss is not None:
+                total = self._global_rows(total)
         group.forward(is_train, self.loss, total, self.autocast_dtype)
+
+    def _global_rows(self, local: int) -> int | torch.Tensor:
+        """This step's rows summed over ranks (ranks' batches may differ in size)."""
+        on_cpu = self.devices[0].type == "cpu"
+        total = torch.tensor([float(local)], device="cpu" if on_cpu else self.devices[0])
+        dist.all_reduce(total)
+        # On CUDA the weight stays a device tensor: no host sync per step.
+        return int(total.item()) if on_cpu else total
 
     def backward(
         self, *, reduce: bool = True, scale: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -173,6 +191,16 @@ class DataParallelExecutorManager:
             if ex.valid > 0:
                 to = tree_map(lambda t: t.to(metric.device), (ex.outputs, lab))
                 metric.update(*ex.valid_rows(to))
+
+    def prepare_buckets(self, keys: Iterable[Hashable]) -> None:
+        """Create every bucket's executor group now instead of on first sight, so a
+        ``bucket_module`` mistake (a parameter it should share but cannot) is raised before
+        training changes any weight. Without ``bucket_module`` there is one group: a no-op."""
+        if self.bucket_module is None:
+            return
+        for key in keys:
+            if not (_hashable(key) and key in self.groups):
+                self._bucket_group(key)
 
     def install_monitor(self, monitor: Any) -> None:
         """Install ``monitor`` on every bucket group, present and future, and every device."""

@@ -84,9 +84,10 @@ class FlatBuckets:
 
     def reduce_global(self, group: dist.ProcessGroup | None) -> None:
         """All-reduce (sum) device 0's gradient buckets across the ranks of ``group``."""
-        works = [dist.all_reduce(g, group=group, async_op=True) for g in self.grad_flat[0]]
-        for w in works:
-            w.wait()
+        # Synchronous calls: gloo threads left holding async works can abort the interpreter
+        # at exit, and with a few large buckets there is little to overlap anyway.
+        for g in self.grad_flat[0]:
+            dist.all_reduce(g, group=group)
 
     def broadcast_params(self) -> None:
         """Copy device 0's parameter buckets into every other device's."""

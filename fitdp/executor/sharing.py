@@ -38,9 +38,13 @@ def share_by_name(module: nn.Module, base: nn.Module, bucket_key: Hashable) -> N
         ValueError: a name ``base`` lacks, or a shape or dtype that differs (naming the
             parameter, both shapes and the bucket key).
     """
+    # remove_duplicate=False: a tied weight (e.g. decoder.weight is emb.weight) is replaced
+    # under each of its names, so no alias keeps the bucket module's own fresh tensor.
     for kind, theirs, ours in (
-        ("parameter", dict(base.named_parameters()), list(module.named_parameters())),
-        ("buffer", dict(base.named_buffers()), list(module.named_buffers())),
+        ("parameter", dict(base.named_parameters(remove_duplicate=False)),
+         list(module.named_parameters(remove_duplicate=False))),
+        ("buffer", dict(base.named_buffers(remove_duplicate=False)),
+         list(module.named_buffers(remove_duplicate=False))),
     ):
         for name, tensor in ours:
             shared = theirs.get(name)

@@ -1,0 +1,158 @@
+"""Running as one rank of a ``torch.distributed`` job under ``torchrun``.
+
+torchrun's rendezvous plays Caffe2's ``rendezvous``: it sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK`` and the master address, and fitdp joins the default process group from them
+(gloo on the CPU, NCCL on CUDA). fitdp never invents a transport of its own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import gc
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger("fitdp")
+
+DEFAULT_TIMEOUT = 600.0  # seconds a collective may wait before every rank gives up
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job (rank 0 of 1 when not under torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def from_env() -> DistInfo:
+    """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as torchrun sets them."""
+    env = os.environ
+    return DistInfo(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
+                    int(env.get("LOCAL_RANK", 0)))
+
+
+def join(info: DistInfo, devices: Sequence[torch.device], timeout: float) -> None:
+    """Join the default process group (once per process) with ``timeout`` on collectives.
+
+    Raises:
+        ValueError: a non-positive timeout, or a process group of another world size.
+    """
+    if not timeout > 0:
+        raise ValueError(f"timeout: got {timeout}; expected a positive number of seconds")
+    if not info.enabled:
+        return
+    if dist.is_initialized():
+        if dist.get_world_size() != info.world_size:
+            raise ValueError(
+                f"WORLD_SIZE is {info.world_size} but the initialized process group has "
+                f"{dist.get_world_size()} ranks; launch with torchrun and let fitdp join"
+            )
+        return
+    cuda = all(d.type == "cuda" for d in devices)
+    if cuda:
+        torch.cuda.set_device(devices[0])
+    backend = "nccl" if cuda else "gloo"
+    limit = datetime.timedelta(seconds=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts: without a per-attempt prefix a
+        # restarted rank can read the dead ranks' addresses and fail to connect.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             info.world_size, is_master=False, timeout=limit)
+        store = dist.PrefixStore(f"fitdp/attempt_{attempt}", base)
+        dist.init_process_group(backend, store=store, rank=info.rank,
+                                world_size=info.world_size, timeout=limit)
+    else:
+        dist.init_process_group(backend, timeout=limit)
+    atexit.register(_leave)
+    log.debug("fitdp: rank %d of %d joined (%s)", info.rank, info.world_size,
+              dist.get_backend())
+
+
+_failed = False
+
+
+def _leave() -> None:
+    """At exit: leave the process group together with the other ranks.
+
+    A rank that tears gloo down while a peer still talks to it can abort (SIGABRT) during
+    interpreter shutdown, so healthy ranks meet in a barrier first. A rank that failed skips
+    it: its peers are stuck elsewhere, and the launcher must see it exit at once.
+    """
+    if not dist.is_initialized():
+        return
+    if not _failed and getattr(sys, "last_value", None) is None:
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass  # a peer is gone; nothing left to wait for
+    dist.destroy_process_group()
+    gc.collect()  # free the group's C++ objects while the interpreter is still whole
+
+
+def broadcast_module(module: nn.Module) -> None:
+    """Copy rank 0's parameters and buffers into every rank (the initial weights)."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, 0)
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum ``values`` over ranks (in place; returned for chaining)."""
+    dist.all_reduce(values)
+    return values
+
+
+def average_buffers(replicas: Sequence[Sequence[torch.Tensor]], world_size: int) -> None:
+    """Average each floating buffer over this rank's replicas and every rank, into all of them
+    (BatchNorm running statistics; called at epoch ends, when every rank is in step)."""
+    with torch.no_grad():
+        for block in replicas:
+            if not block[0].is_floating_point():
+                continue
+            mean = torch.stack([b.to(block[0].device) for b in block]).mean(0)
+            dist.all_reduce(mean)
+            mean /= world_size
+            for b in block:
+                b.copy_(mean)
+
+
+def gather_rows(keyed: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """Every rank's ``(key, rows)`` pairs, on every rank (used by predict)."""
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, keyed)
+    return [item for part in parts for item in part]
+
+
+def report_failure(info: DistInfo, err: BaseException) -> None:
+    """Name the failing rank and its traceback on stderr and in torchrun's error file, so the
+    launcher's summary shows the root cause (the other ranks then fail in a collective)."""
+    global _failed
+    _failed = True
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    print(f"fitdp: rank {info.rank} (local {info.local_rank}) failed:\n{text}", file=sys.stderr,
+          flush=True)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE") and isinstance(err, Exception):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)

@@ -1,0 +1,120 @@
+"""Two gloo processes on 127.0.0.1 under torchrun: exact training, metrics and faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+import fitdp
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist", "worker.py")
+pytestmark = pytest.mark.distributed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, out, max_restarts: int = 0, limit: float = 120):
+    """Run the 2-rank job; kill its whole process group if it outlives ``limit`` seconds."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--max-restarts", str(max_restarts), WORKER, scenario, str(out)]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    start = time.monotonic()
+    try:
+        output, _ = proc.communicate(timeout=limit)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not _orphans(str(out)), "worker processes were left behind"
+    return proc.returncode, output, time.monotonic() - start
+
+
+def _orphans(out: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if WORKER in line and out in line]
+
+
+def data(n: int = 45) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+
+
+def single_process(batch_size: int = 10, epochs: int = 2) -> fitdp.Model:
+    torch.manual_seed(0)  # rank 0's initial weights
+    model = fitdp.Model(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
+    model.compile(optimizer="adam", lr=0.01, loss="cross_entropy",
+                  metrics=[MulticlassAccuracy(num_classes=3)])
+    x, y = data()
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, devices=["cpu"],
+              verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("scenario", ["train", "train_local2"])
+def test_weights_equal_single_process_on_global_batches(tmp_path, scenario):
+    code, output, _ = launch(scenario, tmp_path)
+    assert code == 0, output
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    ref = single_process().module.state_dict()  # global batch = 5 per rank x 2 ranks
+    for k, v in ref.items():
+        torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_exact_metrics_and_predictions_on_uneven_data(tmp_path):
+    code, output, _ = launch("metrics", tmp_path)
+    assert code == 0, output
+    got = torch.load(tmp_path / "metrics.pt", weights_only=True)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    net.load_state_dict(got["weights"])
+    x, y = data(37)
+    with torch.no_grad():
+        out = net(x)
+    assert got["preds"].shape == (37, 3)
+    torch.testing.assert_close(got["preds"], out)
+    assert got["logs"]["loss"] == pytest.approx(float(nn.functional.cross_entropy(out, y)), rel=1e-5)
+    acc = float(MulticlassAccuracy(num_classes=3)(out, y))
+    assert got["logs"]["multiclass_accuracy"] == pytest.approx(acc, abs=1e-6)
+
+
+@pytest.mark.parametrize("fault", ["raise", "kill", "stall"])
+def test_a_failing_rank_stops_every_rank(tmp_path, fault):
+    code, output, seconds = launch(fault, tmp_path, limit=90)
+    assert code != 0
+    assert seconds < 60, f"took {seconds:.0f} s"
+    if fault == "raise":
+        assert "rank 1" in output and "injected failure on rank 1" in output
+    else:
+        assert "worker.py" in output  # torchrun names the failed script and rank
+
+
+def test_torchrun_restart_resumes_to_the_same_weights(tmp_path):
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_dir.mkdir()
+    run_dir.mkdir()
+    code, output, _ = launch("uninterrupted", ref_dir)
+    assert code == 0, output
+    code, output, _ = launch("restart", run_dir, max_restarts=1)
+    assert code == 0, output
+    assert (run_dir / "killed").exists()  # rank 1 really died once
+    ref = torch.load(ref_dir / "weights.pt", weights_only=True)
+    got = torch.load(run_dir / "weights.pt", weights_only=True)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k

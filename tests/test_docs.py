@@ -1,0 +1,107 @@
+"""The docs run as written: every ```python block, and a strict MkDocs build.
+
+Convention for docs/*.md and README.md: a ```python block runs. The blocks of one page are
+one script (in order, so later blocks use earlier names), run in a fresh namespace in a
+temporary working directory. Code that must not run here (GPU only, servers, torchrun) goes in
+```text or ```bash blocks. Other spellings of Python fences (```py, ```pycon, ...) are refused,
+so no snippet silently escapes the test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[^\s`]*)")
+UNTESTED_PYTHON = {"py", "py3", "python3", "pycon", "ipython", "python-repl"}
+
+
+def fenced_blocks(page: Path) -> list[tuple[str, int, list[str]]]:
+    """``(language, line number of its first line (1-based), lines)`` of every fenced block."""
+    blocks, lines = [], page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        indent, fence, lang = m["indent"], m["fence"], m["lang"].lower()
+        body, start = [], i + 2
+        i += 1
+        while i < len(lines) and lines[i].strip() != fence:
+            line = lines[i]
+            body.append(line[len(indent):] if line.startswith(indent) else line.lstrip())
+            i += 1
+        blocks.append((lang, start, body))
+        i += 1
+    return blocks
+
+
+def page_script(page: Path) -> str:
+    """The page's python blocks as one script whose line numbers are the page's."""
+    lines = [""] * (len(page.read_text().splitlines()) + 1)
+    for lang, start, body in fenced_blocks(page):
+        if lang == "python":
+            lines[start:start + len(body)] = body
+    return "\n".join(lines[1:]) + "\n"
+
+
+def _has_python(page: Path) -> bool:
+    return any(lang == "python" for lang, _, _ in fenced_blocks(page))
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if _has_python(p)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # files the snippets write land here
+    threads, root = torch.get_num_threads(), logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    code = compile(page_script(page), str(page), "exec")  # tracebacks point into the page
+    torch.set_num_threads(1)  # tiny models: one thread each is fastest, and CI cores are shared
+    try:
+        exec(code, {"__name__": f"docs.{page.stem}"})  # not "__main__": servers stay off
+    finally:
+        torch.set_num_threads(threads)
+        root.setLevel(level)
+        root.handlers[:] = handlers
+
+
+def test_no_untested_python_fences() -> None:
+    bad = [f"{p.relative_to(ROOT)}:{start}: ```{lang}" for p in PAGES
+           for lang, start, _ in fenced_blocks(p) if lang in UNTESTED_PYTHON]
+    assert not bad, (
+        "use ```python (runs in tests/test_docs.py) or ```text (shown, not run) for Python: "
+        + ", ".join(bad)
+    )
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    missing = [m for m in ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python")
+               if not _importable(m)]
+    if missing:
+        pytest.fail(
+            f"the docs build needs {', '.join(missing)}, which is not installed. Fix: "
+            "pip install -e '.[docs]' (CI: install the docs extra in .ci/run)."
+        )
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+         str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}{result.stderr}"
