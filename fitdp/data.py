@@ -77,14 +77,14 @@ class TensorSource:
         # One gather per epoch, then every batch is a view: the cheapest way to batch tensors.
         x = tree_map(lambda t: t[index], self.x) if self.shuffle else self.x
         y = tree_map(lambda t: t[index], self.y) if self.shuffle else self.y
-        while self.position < len(self):
+        # Plain tensors (the common case) are sliced directly: this runs once per step.
+        take = _slicer(x)
+        take_y = _slicer(y)
+        steps = len(self)
+        while self.position < steps:
             sl = self._rows(self.position)
             self.position += 1
-            yield DataBatch(
-                tree_map(lambda t: t[sl], x),
-                None if y is None else tree_map(lambda t: t[sl], y),
-                index=index[sl],
-            )
+            yield DataBatch(take(sl), take_y(sl), index=index[sl])
         self.epoch, self.position = self.epoch + 1, 0
 
     def _rows(self, step: int) -> slice:
@@ -105,6 +105,15 @@ class TensorSource:
         # (exact when the old global batch is a multiple of the new one).
         self.position = state["position"] * state.get("global_batch", self.global_batch)
         self.position //= self.global_batch
+
+
+def _slicer(tree: Any) -> Any:
+    """``sl -> tree[sl]`` for a tensor, a tree of tensors or None."""
+    if tree is None:
+        return lambda sl: None
+    if isinstance(tree, torch.Tensor):
+        return tree.__getitem__
+    return lambda sl: tree_map(lambda t: t[sl], tree)
 
 
 class ShardedSource:
@@ -199,6 +208,19 @@ class LoaderSource:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+    def check_epochs(self, epochs: int) -> None:
+        """A one-shot iterator (a generator) runs dry after one epoch: refuse more up front.
+
+        Raises:
+            ValueError: ``epochs > 1`` with an iterator that is its own ``iter()``.
+        """
+        if epochs > 1 and iter(self.loader) is self.loader:
+            raise ValueError(
+                f"data: a one-shot iterator ({type(self.loader).__name__}) yields its batches "
+                f"once, but {epochs} epochs were asked for. Fix: pass a list, a DataLoader or "
+                f"a re-iterable object, or train one epoch per fit call."
+            )
 
     def set_epoch(self, epoch: int) -> None:
         sampler = getattr(self.loader, "sampler", None)

@@ -63,6 +63,7 @@ class Engine:
         self.metrics: DeviceMetrics | None = None
         self.scaler: torch.amp.GradScaler | None = None
         self.micro_step = 0
+        self.pending: dict[str, Any] = {}  # loaded before the optimizer existed
 
     def attach(
         self,
@@ -90,6 +91,10 @@ class Engine:
         if distributed and self.config.sync_batchnorm:
             self._convert_sync_batchnorm(devs)
         key = (tuple(devs), tuple(loads), default_bucket_key, distributed)
+        if self.key is not None and default_bucket_key is None:
+            # Data without buckets (validation tensors, predict) runs the default bucket of
+            # the manager that exists: no reason to rebuild it.
+            key = (key[0], key[1], self.key[2], key[3])
         if self.mgr is None or key != self.key:
             previous = None
             if self.mgr is not None:
@@ -105,6 +110,7 @@ class Engine:
             self._build_optimizer(previous)
             self.metrics = DeviceMetrics(self.config.metrics, devs) if self.config.metrics else None
             self.scaler = torch.amp.GradScaler("cuda") if dtype is torch.float16 else None
+            self.load_training_state(self.pending)
         if distributed:
             broadcast_module(self.module)  # every rank starts from rank 0's weights
         self.mgr.set_params(*self.host_state())
@@ -125,6 +131,19 @@ class Engine:
                     "compile(sync_batchnorm=True): the module itself is a BatchNorm layer; wrap "
                     "it in an nn.Sequential so it can be converted in place"
                 )
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Optimizer, scheduler and scaler state from a checkpoint; kept until they exist
+        when the model is compiled but has not run yet."""
+        self.pending = {}
+        for name in ("optimizer", "scheduler", "scaler"):
+            if state.get(name) is None:
+                continue
+            obj = getattr(self, name)
+            if obj is not None:
+                obj.load_state_dict(state[name])
+            elif self.config.optimizer is not None:
+                self.pending[name] = state[name]
 
     @property
     def manager(self) -> DataParallelExecutorManager:

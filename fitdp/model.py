@@ -19,6 +19,7 @@ from fitdp.data import as_tensors, make_source, split_validation
 from fitdp.devices import DevicesArg, resolve_devices
 from fitdp.distributed import DEFAULT_TIMEOUT, DistInfo, report_failure
 from fitdp.engine import PRECISIONS, CompileConfig, Engine
+from fitdp.executor.manager import DataParallelExecutorManager
 from fitdp.export import export_module
 from fitdp.loop import assemble, run_batches
 from fitdp.metrics import MetricsArg, named_metrics
@@ -166,15 +167,14 @@ class Model:
         info = self._join(devices, timeout)
         train = make_source(data, y, batch_size=batch_size, shuffle=shuffle, seed=seed,
                             rank=info.rank, world_size=info.world_size)
+        if hasattr(train, "check_epochs"):
+            train.check_epochs(epochs - initial_epoch)
         val = None if validation_data is None else make_source(
             validation_data, None, batch_size=batch_size, shuffle=False, seed=seed,
             rank=info.rank, world_size=info.world_size)
         cbs = self._callbacks(callbacks, verbose, epochs=epochs, batch_size=batch_size,
                               steps=steps_per_epoch or _len(train))
-        mgr = engine.attach(devices, work_load_list, batch_size if hasattr(train, "x") else None,
-                            getattr(train, "default_bucket_key", None), info.enabled)
-        if hasattr(train, "provide_data"):
-            mgr.reserve([*train.provide_data, *train.provide_label])
+        mgr = self._attach(engine, train, devices, work_load_list, batch_size, info)
         if monitor is not None:
             mgr.install_monitor(monitor)
         self._progress = Progress(train, cbs, initial_epoch)
@@ -234,8 +234,7 @@ class Model:
         info = self._join(devices, DEFAULT_TIMEOUT)
         source = make_source(data, y, batch_size=batch_size, shuffle=False, seed=0,
                              rank=info.rank, world_size=info.world_size)
-        engine.attach(devices, None, batch_size if hasattr(source, "x") else None,
-                      distributed=info.enabled)
+        self._attach(engine, source, devices, None, batch_size, info)
         cbs = self._callbacks(callbacks, verbose, steps=_len(source), batch_size=batch_size)
         return self._evaluate(source, cbs, log_every=50)
 
@@ -251,8 +250,7 @@ class Model:
         info = self._join(devices, DEFAULT_TIMEOUT)
         source = make_source(data, None, batch_size=batch_size, shuffle=False, seed=0,
                              has_labels=False, rank=info.rank, world_size=info.world_size)
-        self._engine.attach(devices, None, batch_size if hasattr(source, "x") else None,
-                            distributed=info.enabled)
+        self._attach(self._engine, source, devices, None, batch_size, info)
         cbs = self._callbacks(callbacks, 0, steps=_len(source), batch_size=batch_size)
         cbs.call("on_predict_begin", {})
         rows = run_batches(self, self._engine, "predict", source, cbs)
@@ -266,6 +264,20 @@ class Model:
         logs = run_batches(self, engine, "test", source, cbs, None, log_every)
         cbs.call("on_test_end", logs)
         return logs
+
+    def _attach(
+        self, engine: Engine, source: Any, devices: DevicesArg,
+        work_load_list: Sequence[float] | None, batch_size: int, info: DistInfo,
+    ) -> DataParallelExecutorManager:
+        """The manager for this call, with input buffers sized for the largest bucket and
+        every bucket's group built before any weight changes."""
+        mgr = engine.attach(devices, work_load_list, batch_size if hasattr(source, "x") else None,
+                            getattr(source, "default_bucket_key", None), info.enabled)
+        if hasattr(source, "provide_data"):
+            mgr.reserve([*source.provide_data, *source.provide_label])
+        if hasattr(source, "buckets"):
+            mgr.prepare_buckets(source.buckets)
+        return mgr
 
     def _join(self, devices: DevicesArg, timeout: float) -> DistInfo:
         """Under torchrun, join the job; decides ``is_main_process``."""

@@ -52,13 +52,8 @@ def restore_weights(model: Model, state: dict[str, Any]) -> None:
     """Weights into the host module and every replica; optimizer, scheduler and scaler state
     into the engine when it has them (Caffe2's ``FinalizeAfterCheckpoint``)."""
     model.set_weights(state["module"])
-    engine = model._engine
-    if engine is None:
-        return
-    for name, obj in (("optimizer", engine.optimizer), ("scheduler", engine.scheduler),
-                      ("scaler", engine.scaler)):
-        if obj is not None and state.get(name) is not None:
-            obj.load_state_dict(state[name])
+    if model._engine is not None:
+        model._engine.load_training_state(state)
 
 
 def resume_path(resume: str | os.PathLike[str] | None, callbacks: Sequence[Any]) -> str | None:

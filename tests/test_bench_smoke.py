@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,3 +24,16 @@ def test_checkpoint_bench_quick_runs(tmp_path: Path) -> None:
     assert "copy_to bandwidth ratio (copy_to / memcpy):" in proc.stdout
     numbers = json.loads(out.read_text())
     assert numbers["save_ratio"] > 0 and numbers["copy_bandwidth_ratio"] > 0
+
+
+@pytest.mark.distributed  # launches 2-rank gloo jobs on 127.0.0.1 under torchrun
+def test_distributed_bench_quick_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "distributed.py"), "--quick"],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for case in ("(a) fitdp, torchrun 2 ranks", "(b) hand DDP loop", "(d) fitdp, 1 process"):
+        row = [line for line in proc.stdout.splitlines() if line.startswith(case)]
+        assert row and "FAILED" not in row[0], proc.stdout
+    assert "target (a) >= 0.95x (b):" in proc.stdout

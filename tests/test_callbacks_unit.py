@@ -632,3 +632,19 @@ def test_every_hook_exists_on_callback():
     cb = Callback()
     for hook in HOOKS:
         assert callable(getattr(cb, hook))
+
+
+def test_history_records_lr_added_by_a_later_callback():
+    """Regression: History runs first, so `lr` (added by LR callbacks after it) was lost."""
+    from fitdp.callbacks import LearningRateScheduler
+
+    h, sched = History(), LearningRateScheduler(lambda epoch, lr: lr * 0.5)
+    model = FakeModel()
+    cbs = CallbackList([sched], model=model, add_history=True)
+    cbs.call("on_train_begin", {})
+    for epoch in range(2):
+        cbs.call("on_epoch_begin", epoch, {})
+        cbs.call("on_epoch_end", epoch, {"loss": 1.0})
+    cbs.call("on_train_end", {})
+    assert cbs.history.history["lr"] == [0.05, 0.025]
+    assert h.history == {}

@@ -26,11 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, out, max_restarts: int = 0, limit: float = 120):
+def launch(scenario: str, out, max_restarts: int = 0, limit: float = 120, script: list | None = None):
     """Run the 2-rank job; kill its whole process group if it outlives ``limit`` seconds."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "--max-restarts", str(max_restarts), WORKER, scenario, str(out)]
+           "--max-restarts", str(max_restarts), *(script or [WORKER, scenario, str(out)])]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -41,13 +41,13 @@ def launch(scenario: str, out, max_restarts: int = 0, limit: float = 120):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert not _orphans(str(out)), "worker processes were left behind"
+    assert not _orphans(str(out) if script is None else script[0]), "processes were left behind"
     return proc.returncode, output, time.monotonic() - start
 
 
 def _orphans(out: str) -> list[str]:
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if WORKER in line and out in line]
+    return [line for line in ps.splitlines() if out in line and "python" in line]
 
 
 def data(n: int = 45) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,3 +118,30 @@ def test_torchrun_restart_resumes_to_the_same_weights(tmp_path):
     got = torch.load(run_dir / "weights.pt", weights_only=True)
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
+
+
+def test_digits_example_under_torchrun(tmp_path):
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_digits.py")
+    code, output, _ = launch("", tmp_path, script=[os.path.abspath(example), "--fast"])
+    assert code == 0, output
+    assert output.count("final metrics") == 1  # only rank 0 prints
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(tmp_path):
+    code, output, _ = launch("stop_with_checkpoint", tmp_path)
+    assert code == 0, output
+    assert torch.load(tmp_path / "c.ckpt", weights_only=True)["global_step"] == 5
+
+    def one_process(resume=None) -> fitdp.Model:
+        torch.manual_seed(0)
+        model = fitdp.Model(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
+        model.compile(optimizer="adam", lr=0.01, loss="cross_entropy")
+        x, y = data()
+        model.fit(x, y, batch_size=10, epochs=2, seed=3, devices=["cpu"], verbose=0,
+                  resume=resume)
+        return model
+
+    resumed = one_process(str(tmp_path / "c.ckpt"))
+    assert resumed.global_step == 10
+    for a, b in zip(resumed.module.parameters(), one_process().module.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -151,3 +151,11 @@ def test_duplicate_parameter_names():
 
     with pytest.raises(ValueError, match="a.weight"):
         fitdp.executor.DataParallelExecutorManager(Dup(), ["cpu"])
+
+
+def test_one_shot_generator_with_several_epochs():
+    """Regression: a generator of batches silently trained 0 batches after epoch 1."""
+    model = make_model()
+    gen = (fitdp.DataBatch(X[i:i + 5], Y[i:i + 5]) for i in range(0, 20, 5))
+    with pytest.raises(ValueError, match="one-shot"):
+        model.fit(gen, epochs=2, verbose=0)

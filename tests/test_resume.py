@@ -172,3 +172,14 @@ def test_sigkill_at_random_moments_then_resume(tmp_path, reference):
     for k, v in reference.module.state_dict().items():
         assert torch.equal(final[k], v), k
     assert not [p for p in (tmp_path / "b").glob(".*tmp*")]
+
+
+def test_load_before_first_fit_keeps_optimizer_state(tmp_path):
+    """Regression: load() right after compile() dropped the optimizer state (none existed)."""
+    model = make()
+    run(model, [])
+    model.save(tmp_path / "m.ckpt")
+    fresh = make()
+    fresh.load(tmp_path / "m.ckpt")
+    fresh.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, devices=["cpu"])
+    assert fresh.optimizer.state_dict()["state"][0]["step"] == 21 + 7

@@ -27,6 +27,7 @@ class History(Callback):
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
         self._restored = False
+        self._last_logs: dict[str, float] | None = None
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         # A reused History starts over, unless a resumed run just loaded its state.
@@ -38,9 +39,26 @@ class History(Callback):
         self.epoch.append(int(epoch))
         for key, value in (logs or {}).items():
             self.history.setdefault(key, []).append(float(value))
+        # History runs first (so checkpoints hold this epoch); keys that later callbacks add
+        # to the same logs dict, such as "lr", are picked up by `_backfill`.
+        self._last_logs = logs
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        self._backfill()
+
+    def on_train_end(self, logs: dict[str, float] | None = None) -> None:
+        self._backfill()
+
+    def _backfill(self) -> None:
+        """Record the values other callbacks added to the last epoch's logs after this one."""
+        for key, value in (self._last_logs or {}).items():
+            series = self.history.setdefault(key, [])
+            if len(series) < len(self.epoch):  # idempotent: one value per epoch
+                series.append(float(value))
 
     def state_dict(self) -> dict[str, Any]:
         """The recorded epochs and values (plain lists: loads with `weights_only=True`)."""
+        self._backfill()
         return {"history": {k: list(v) for k, v in self.history.items()},
                 "epoch": list(self.epoch)}
 

@@ -119,6 +119,7 @@ class Executor:
     def reserve(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Allocate the input buffer ``name`` for ``shape`` up front (the largest bucket)."""
         self._buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+        self.grown.clear()  # asked for, not a bucket outgrowing its buffer: no warning
 
     def load(self, data: Any, label: Any, valid: int) -> None:
         """Copy this device's slice of the batch into the input buffers (non-blocking)."""
