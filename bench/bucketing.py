@@ -1,6 +1,6 @@
 """Variable-length training: speed, padding and memory of four ways to batch, and bucket memory.
 
-Run: python bench/bucketing.py [--epochs 5] [--memory-epochs 2] [--json out.json]
+Run: python bench/bucketing.py [--epochs 5] [--memory-epochs 2] [--json out.json] [--quick]
 
 Workload: a GRU classifier (Embedding 1000x64, GRU 64 hidden, linear head on the last valid
 step) on 4,000 sequences with log-normal lengths in [4, 256] (mean about 40), batch 32, Adam,
@@ -209,8 +209,13 @@ def main() -> None:
     parser.add_argument("--memory-epochs", type=int, default=2,
                         help="epochs of each memory run (one process per strategy)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 800 sequences, 1 epoch each; the targets do not apply")
     parser.add_argument("--run", choices=list(STRATEGIES), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:  # 800 still gives 20 distinct quantile buckets for m20
+        global N
+        N, args.epochs, args.memory_epochs = 800, 1, 1
     if args.run:  # a child: one strategy's memory, one JSON line
         print(json.dumps(memory(args.run, args.memory_epochs)))
         return
@@ -221,6 +226,9 @@ def main() -> None:
           f"each, memory: {args.memory_epochs} epochs each", flush=True)
     results: dict[str, dict[str, Any]] = {}
     for key in STRATEGIES:
+        if args.quick:  # in this process: no torch start-up per strategy; RSS means little
+            results[key] = memory(key, args.memory_epochs)
+            continue
         proc = subprocess.run(
             [sys.executable, __file__, "--run", key, "--memory-epochs", str(args.memory_epochs)],
             capture_output=True, text=True, check=True,

@@ -175,7 +175,8 @@ def main() -> None:
         mb = f"{saves[name + ' bytes'] / 1e6:8.1f}" if name + " bytes" in saves else " " * 8
         print(f"{name:<34} {saves[name] * 1e3:8.1f} ms {mb} {saves[name] / base:12.3f}x")
     print(f"\n{'case':<34} {'median':>10} {'MB r+w':>8} {'GB/s':>8}")
-    for name, key in (("copy_to, 2 CPU replicas -> host", "copy_to"), ("memcpy dst.copy_(src)", "memcpy")):
+    for name, key in (("copy_to, 2 CPU replicas -> host", "copy_to"),
+                      ("memcpy dst.copy_(src)", "memcpy")):
         print(f"{name:<34} {copies[key + ' s'] * 1e3:8.2f} ms {copies[key + ' bytes'] / 1e6:8.1f} "
               f"{copies[key + ' GB/s']:8.2f}")
 

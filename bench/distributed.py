@@ -1,9 +1,10 @@
 """fitdp under torchrun against a hand-written DistributedDataParallel loop, on the CPU.
 
-Run: python bench/distributed.py [--quick] [--rounds 3] [--epochs 6] [--json out.json]
+Run: python bench/distributed.py [--quick] [--rounds 4] [--epochs 6] [--json out.json]
 
 One run of this script launches every case as a subprocess, ``--rounds`` times, interleaved
-(a, b, c, d, a, b, ...), so load from other processes hits every case alike:
+(a b c d, d c b a, ...), so that load from other processes drifting over the run hits every
+case alike:
 
   (a) fitdp, 2 ranks under torchrun (gloo on 127.0.0.1), ``fit(batch_size=128)`` per rank;
   (b) a hand-written ``DistributedDataParallel`` loop, 2 ranks, each rank taking its half of
@@ -56,7 +57,7 @@ CASES = {
 
 
 def mlp() -> nn.Module:
-    torch.manual_seed(0)  # the same initial weights in every case (DDP and fitdp broadcast rank 0's)
+    torch.manual_seed(0)  # the same initial weights in every case (both broadcast rank 0's)
     layers: list[nn.Module] = []
     for a, b in itertools.pairwise(SIZES):
         layers += [nn.Linear(a, b), nn.ReLU()]
@@ -228,6 +229,11 @@ def run_lightning(args: argparse.Namespace) -> None:
     )
     trainer.fit(Lit(), DataLoader(RankBatches(), batch_size=None))
     report("c", rank, timer.times, args.warmup, len(x), timer.loss, time.perf_counter() - start)
+    # Lightning leaves the process group up; gloo torn down at interpreter exit while the peer
+    # still talks aborts the process (SIGABRT, "terminate called without an active exception").
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # -- the launcher -----------------------------------------------------------------------------
@@ -290,7 +296,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: few steps, one round")
-    parser.add_argument("--rounds", type=int, default=3, help="launches of every case")
+    parser.add_argument("--rounds", type=int, default=4, help="launches of every case")
     parser.add_argument("--steps", type=int, default=40, help="global batches per epoch")
     parser.add_argument("--epochs", type=int, default=6, help="epochs per launch")
     parser.add_argument("--warmup", type=int, default=1, help="epochs left out of the timing")
@@ -326,7 +332,8 @@ def main() -> int:
     print(f"load average before: {load_before}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
     for r in range(args.rounds):
-        for c in cases:
+        # a b c d, then d c b a, ...: no case always runs first, and (a), (b) stay adjacent.
+        for c in cases if r % 2 == 0 else cases[::-1]:
             t = time.perf_counter()
             res = launch(c, args)
             runs[c].append(res)
@@ -346,7 +353,8 @@ def main() -> int:
                        "runs_samples_per_s": per_run, "loss": ok[-1]["loss"],
                        "total_s": statistics.median(r["total_s"] for r in ok)}
     ref = rows.get("b", {}).get("samples_per_s")
-    print(f"\n{'case':<42} {'samples/s':>10} {'vs (b)':>7} {'ms/step':>8} {'final loss':>11}")
+    print(f"\n{'case':<42} {'samples/s':>10} {'vs (b)':>7} {'ms/step':>8} {'final loss':>11} "
+          f"{'rounds min-max':>15}")
     for c in cases:
         if c not in rows:
             print(f"({c}) {CASES[c]:<38} {'FAILED':>10}")
@@ -355,14 +363,21 @@ def main() -> int:
         row["ratio_vs_b"] = row["samples_per_s"] / ref if ref else None
         ratio = f"{row['ratio_vs_b']:.3f}" if ref else "-"
         ms = GLOBAL_BATCH / row["samples_per_s"] * 1e3
+        spread = f"{min(row['runs_samples_per_s']):.0f}-{max(row['runs_samples_per_s']):.0f}"
         print(f"({c}) {CASES[c]:<38} {row['samples_per_s']:>10.0f} {ratio:>7} {ms:>8.2f} "
-              f"{row['loss']:>11.5f}")
+              f"{row['loss']:>11.5f} {spread:>15}")
     print(f"load average after: {load_after}")
     target = None
     if "a" in rows and ref:
         target = rows["a"]["ratio_vs_b"] >= 0.95
         print(f"target (a) >= 0.95x (b): {rows['a']['ratio_vs_b']:.3f}x "
               f"{'met' if target else 'NOT met'}")
+        # (a) and (b) of one round ran back to back: their ratio is the least exposed to load
+        # from other processes drifting between rounds.
+        paired = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs["a"], runs["b"])
+                  if "error" not in a and "error" not in b]
+        rows["a"]["paired_ratios_vs_b"] = paired
+        print(f"(a)/(b) per round, back to back: {', '.join(f'{r:.3f}' for r in paired)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {k: getattr(args, k) for k in ("steps", "epochs", "warmup",

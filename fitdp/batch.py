@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import torch
 
-# A batch's inputs: one tensor, a tuple/list of tensors (``module(*x)``) or a dict (``module(**x)``).
-Inputs = Union[torch.Tensor, Sequence[torch.Tensor], Mapping[str, torch.Tensor]]
+# A batch's inputs: one tensor, a tuple/list of tensors (``module(*x)``) or a dict
+# (``module(**x)``).
+Inputs = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 
 class DataDesc(NamedTuple):
@@ -99,6 +100,9 @@ class DataBatch:
         bucket_key: hashable key of the executor group that runs this batch (None: default).
         pad: rows at the end of the batch that are padding and are ignored in outputs.
         index: optional original sample indices of the rows (used to restore predict order).
+        global_rows: rows of this step over every rank, when the source knows it (under
+            torch.distributed the loss weights need it; without it the manager all-reduces
+            the count, one more collective per step).
 
     Example:
         >>> b = DataBatch(torch.zeros(4, 3), torch.zeros(4, dtype=torch.long))
@@ -111,6 +115,7 @@ class DataBatch:
     bucket_key: Hashable | None = None
     pad: int = 0
     index: torch.Tensor | None = None
+    global_rows: int | None = None
 
     @property
     def batch_size(self) -> int:

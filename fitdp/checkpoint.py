@@ -2,32 +2,26 @@
 
 A checkpoint is a plain ``torch.save`` zip (``torch.load(path, weights_only=True)`` reads it)
 holding a header entry ``HEADER_KEY: {"format": FORMAT_VERSION}`` that tells it from foreign
-files, plus a seal in the zip comment (the last field of a zip, which readers skip):
-``b"FITDPCK1"`` and the hex SHA-256 of every byte that is not record data. Record data is
-covered by the CRC-32 that torch.save stores per record but torch.load never checks. So saving
-hashes only a few KB and costs about one bare torch.save; loading pays one CRC pass.
+files, and sealed against damage (``fitdp.seal``).
 """
 
 from __future__ import annotations
 
 import errno
 import fnmatch
-import hashlib
 import os
 import random
 import re
 import secrets
-import struct
 import threading
-import zipfile
-import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from typing import IO, Any
+from contextlib import suppress
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
+
+from fitdp.seal import CheckpointError, record_crcs_on, seal, verify
 
 __all__ = [
     "FORMAT_VERSION", "HEADER_KEY", "CheckpointError", "capture_rng_state", "list_checkpoints",
@@ -37,20 +31,12 @@ __all__ = [
 HEADER_KEY = "__fitdp_checkpoint__"
 FORMAT_VERSION = 1
 
-_SEAL_MAGIC = b"FITDPCK1"
-_SEAL_LEN = len(_SEAL_MAGIC) + 64  # hex digest: ASCII can never contain the b"PK\5\6" EOCD tag
-_EOCD_LEN = 22  # end-of-central-directory record without comment
-_LOCAL_HEADER_LEN = 30
 _TMP_MARK = ".tmp-"
+_WRITEBACK = 32 << 20  # start writing to disk every 32 MB while saving
 _TMP_NAME = re.compile(r"^\..+\.tmp-(\d+)-[0-9a-f]{8}$")  # what save_checkpoint names them
-_CHUNK = 16 << 20  # CRC read size: big enough to run at memory speed, small enough to not matter
 _SCALARS = (int, float, bool, str, type(None))
 _DICTS = (dict, OrderedDict)
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-class CheckpointError(Exception):
-    """A file that cannot be loaded safely as a fitdp checkpoint; the message names it and why."""
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
@@ -84,9 +70,9 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
     f = os.fdopen(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "r+b")
     old = None
     try:
-        with f, _record_crcs_on():
-            torch.save(payload, f)
-            _seal(f)
+        with f, record_crcs_on():
+            torch.save(payload, cast(IO[bytes], _EarlyWriteback(f)))  # write+flush suffice
+            seal(f)
             f.flush()
             os.fsync(f.fileno())
         old = _hold_old_file(path)
@@ -102,6 +88,31 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
     finally:
         if old is not None:  # its last close frees its blocks: ~55 ms per 300 MB on ext4
             threading.Thread(target=os.close, args=(old,), daemon=True).start()
+
+
+class _EarlyWriteback:
+    """Hands torch.save's writes to ``f`` and, every ``_WRITEBACK`` bytes, asks the kernel to
+    start writing them to disk, so the disk works while torch.save still serialises and the
+    final fsync has little left to wait for."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.flushed = 0
+        self.written = 0
+
+    def write(self, data: bytes) -> int:
+        n = self.f.write(data)
+        self.written += n
+        if self.written - self.flushed >= _WRITEBACK and hasattr(os, "posix_fadvise"):
+            self.f.flush()
+            # DONTNEED on dirty pages starts their writeback without waiting for it.
+            os.posix_fadvise(self.f.fileno(), self.flushed, self.written - self.flushed,
+                             os.POSIX_FADV_DONTNEED)
+            self.flushed = self.written
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -123,7 +134,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     path = os.fspath(path)
     with open(path, "rb") as f:
-        _verify(f, path)
+        verify(f, path)
         f.seek(0)  # load from the verified handle: a concurrent os.replace can't swap files
         try:
             state = torch.load(f, map_location="cpu", weights_only=True)
@@ -149,7 +160,11 @@ def capture_rng_state() -> dict[str, Any]:
         A dict of tensors and plain Python values that survives ``weights_only`` loading.
     """
     version, internal, gauss_next = random.getstate()
-    algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    # The global RandomState is always MT19937, so legacy=True gives the tuple, never the dict.
+    np_state = cast(
+        "tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True)
+    )
+    algorithm, keys, pos, has_gauss, cached_gaussian = np_state
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
@@ -244,19 +259,6 @@ def remove_stale_temp_files(folder: str | os.PathLike[str]) -> list[str]:
     return removed
 
 
-@contextmanager
-def _record_crcs_on() -> Iterator[None]:
-    """Make torch.save store record CRC-32s; the seal relies on them (a global switch since 2.5)."""
-    was_on = getattr(torch.serialization, "get_crc32_options", lambda: True)()
-    if not was_on:
-        torch.serialization.set_crc32_options(True)
-    try:
-        yield
-    finally:
-        if not was_on:
-            torch.serialization.set_crc32_options(False)
-
-
 def _check_value(value: Any, where: str, active: set[int]) -> None:
     """Raise TypeError/ValueError at the first thing ``weights_only`` loading would reject."""
     kind = type(value)
@@ -287,92 +289,6 @@ def _check_value(value: Any, where: str, active: set[int]) -> None:
         for index, item in enumerate(value):
             _check_value(item, f"{where}[{index}]", active)
     active.discard(id(value))
-
-
-def _record_spans(f: IO[bytes], payload_end: int) -> list[tuple[str, int, int, int]]:
-    """(name, data start, data size, CRC-32) of each zip record, sorted by offset."""
-    spans = []
-    with zipfile.ZipFile(f) as archive:
-        for info in archive.infolist():
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise ValueError(f"record {info.filename} is compressed")
-            f.seek(info.header_offset)
-            local = f.read(_LOCAL_HEADER_LEN)
-            if len(local) != _LOCAL_HEADER_LEN or local[:4] != b"PK\x03\x04":
-                raise ValueError(f"bad local header for record {info.filename}")
-            name_len, extra_len = struct.unpack("<HH", local[26:30])
-            start = info.header_offset + _LOCAL_HEADER_LEN + name_len + extra_len
-            spans.append((info.filename, start, info.compress_size, info.CRC))
-    spans.sort(key=lambda s: s[1])
-    end = 0
-    for name, start, size, _ in spans:
-        if start < end or start + size > payload_end - _EOCD_LEN:
-            raise ValueError(f"record {name} overlaps another or the end of the archive")
-        end = start + size
-    return spans
-
-
-def _structure_digest(f: IO[bytes], spans: list[tuple[str, int, int, int]], end: int) -> str:
-    """SHA-256 of the record table and of every byte in [0, end) outside record data."""
-    digest = hashlib.sha256(repr(spans).encode())  # ties each CRC to its name and byte range
-    pos = 0
-    for _, start, size, _ in spans:
-        f.seek(pos)
-        digest.update(f.read(start - pos))
-        pos = start + size
-    f.seek(pos)
-    rest = f.read(end - pos)
-    # The last 2 bytes are the zip comment length, which sealing changes: hash them as 0 and
-    # let _verify check their sealed value.
-    digest.update(rest[:-2] + b"\0\0")
-    return digest.hexdigest()
-
-
-def _seal(f: IO[bytes]) -> None:
-    """Append the seal to the fresh torch.save zip in ``f`` as the zip comment."""
-    end = f.seek(0, os.SEEK_END)
-    f.seek(end - _EOCD_LEN)
-    eocd = f.read(_EOCD_LEN)
-    if eocd[:4] != b"PK\x05\x06" or eocd[-2:] != b"\0\0":
-        raise RuntimeError("torch.save wrote an unexpected zip layout; cannot seal it")
-    digest = _structure_digest(f, _record_spans(f, end), end)
-    f.seek(end - 2)
-    f.write(struct.pack("<H", _SEAL_LEN) + _SEAL_MAGIC + digest.encode("ascii"))
-
-
-def _verify(f: IO[bytes], path: str) -> None:
-    """Raise CheckpointError unless the seal and every record CRC of ``f`` match."""
-    size = f.seek(0, os.SEEK_END)
-    if size == 0:
-        raise CheckpointError(f"{path}: file is empty")
-    f.seek(max(0, size - _SEAL_LEN - 2))
-    tail = f.read()
-    if size < _SEAL_LEN + _EOCD_LEN or tail[2:2 + len(_SEAL_MAGIC)] != _SEAL_MAGIC:
-        raise CheckpointError(
-            f"{path}: no fitdp seal at the end: truncated, or not written by fitdp "
-            f"(plain torch.save files are foreign)"
-        )
-    end = size - _SEAL_LEN
-    if struct.unpack("<H", tail[:2])[0] != _SEAL_LEN:
-        raise CheckpointError(f"{path}: corrupted zip end record")
-    try:  # a damaged archive can make the zip parser fail in many ways; each means "corrupt"
-        spans = _record_spans(f, end)
-        digest = _structure_digest(f, spans, end)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: corrupted zip structure: {exc}") from exc
-    if digest.encode("ascii") != tail[2 + len(_SEAL_MAGIC):]:
-        raise CheckpointError(f"{path}: corrupted: zip headers do not match the seal")
-    buf = memoryview(bytearray(_CHUNK))
-    for name, start, size, crc in spans:
-        f.seek(start)
-        actual, left = 0, size
-        while left:
-            got = f.readinto(buf[: min(left, _CHUNK)])  # type: ignore[attr-defined]
-            if not got:
-                raise CheckpointError(f"{path}: truncated inside record {name}")
-            actual, left = zlib.crc32(buf[:got], actual), left - got
-        if actual != crc:
-            raise CheckpointError(f"{path}: corrupted: CRC-32 mismatch in record {name}")
 
 
 def _hold_old_file(path: str) -> int | None:

@@ -84,7 +84,10 @@ class TensorSource:
         while self.position < steps:
             sl = self._rows(self.position)
             self.position += 1
-            yield DataBatch(take(sl), take_y(sl), index=index[sl])
+            # No per-batch index: predict never shuffles, so batch order is input order.
+            start = (self.position - 1) * self.global_batch
+            rows = min(self.global_batch, self.num_samples - start)
+            yield DataBatch(take(sl), take_y(sl), global_rows=rows)
         self.epoch, self.position = self.epoch + 1, 0
 
     def _rows(self, step: int) -> slice:
@@ -187,7 +190,8 @@ class EpochSampler(torch.utils.data.Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         if not self.shuffle:
             return iter(range(self.n))
-        return iter(torch.randperm(self.n, generator=_epoch_generator(self.seed, self.epoch)).tolist())
+        order = torch.randperm(self.n, generator=_epoch_generator(self.seed, self.epoch))
+        return iter(order.tolist())
 
 
 class LoaderSource:
@@ -207,7 +211,7 @@ class LoaderSource:
         self.num_samples = _maybe_len(getattr(loader, "dataset", None))
 
     def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
+        return len(self.loader)  # type: ignore[arg-type]  # unsized loaders raise TypeError
 
     def check_epochs(self, epochs: int) -> None:
         """A one-shot iterator (a generator) runs dry after one epoch: refuse more up front.
@@ -223,7 +227,7 @@ class LoaderSource:
             )
 
     def set_epoch(self, epoch: int) -> None:
-        sampler = getattr(self.loader, "sampler", None)
+        sampler: Any = getattr(self.loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         if epoch != self.epoch:
@@ -256,7 +260,8 @@ class LoaderSource:
                 f"expected (inputs, targets) pairs. Fix: make the dataset return (x, y)."
             )
         else:
-            x, y = (item[0], None) if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
+            pair = isinstance(item, (tuple, list)) and len(item) == 2
+            x, y = (item[0], None) if pair else (item, None)
         x = as_tensors(x, "data")
         y = None if y is None else as_tensors(y, "targets")
         structure = (tree_structure(x), tree_structure(y))
@@ -325,7 +330,9 @@ def _batch_source(
             )
         source = LoaderSource(data, has_labels=has_labels)
         if _maybe_len(data) == 0:
-            raise ValueError(f"data: the {type(data).__name__} is empty; expected at least one batch")
+            raise ValueError(
+                f"data: the {type(data).__name__} is empty; expected at least one batch"
+            )
         return source
     if isinstance(data, Dataset) and not isinstance(data, (torch.Tensor, np.ndarray)):
         n = _maybe_len(data)
@@ -347,15 +354,15 @@ def _tensor_source(
     n = batch_length(x)
     if n == 0:
         raise ValueError("data: got 0 samples; expected at least one")
-    for t in _leaves_with_names(x, "data"):
-        if t[1].dim() == 0 or t[1].shape[0] != n:
+    for name, leaf in _leaves_with_names(x, "data"):
+        if leaf.dim() == 0 or leaf.shape[0] != n:
             raise ValueError(
-                f"data: {t[0]} has {t[1].shape[0] if t[1].dim() else 0} rows but the first input "
+                f"data: {name} has {leaf.shape[0] if leaf.dim() else 0} rows but the first input "
                 f"has {n}; every input must have the same number of samples"
             )
     if y is not None:
         y = as_tensors(y, "y")
-        for name, t in _leaves_with_names(y, "y"):
+        for _, t in _leaves_with_names(y, "y"):
             if t.dim() == 0 or t.shape[0] != n:
                 raise ValueError(
                     f"y: got {t.shape[0] if t.dim() else 0} targets for {n} samples in x; "

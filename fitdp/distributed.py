@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch import nn
 log = logging.getLogger("fitdp")
 
 DEFAULT_TIMEOUT = 600.0  # seconds a collective may wait before every rank gives up
+_Row = TypeVar("_Row")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +138,8 @@ def average_buffers(replicas: Sequence[Sequence[torch.Tensor]], world_size: int)
                 b.copy_(mean)
 
 
-def gather_rows(keyed: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
-    """Every rank's ``(key, rows)`` pairs, on every rank (used by predict)."""
+def gather_rows(keyed: list[_Row]) -> list[_Row]:
+    """Every rank's keyed rows, on every rank (used by predict)."""
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, keyed)
     return [item for part in parts for item in part]

@@ -14,6 +14,7 @@ from fitdp.batch import DataBatch, tree_leaves
 from fitdp.devices import DevicesArg, resolve_devices
 from fitdp.distributed import all_reduce_sum, average_buffers, broadcast_module
 from fitdp.executor.manager import DataParallelExecutorManager
+from fitdp.executor.sharded_step import ShardedStep
 from fitdp.executor.slicing import check_work_load_list
 from fitdp.metrics import DeviceMetrics
 from fitdp.objectives import check_targets, resolve_loss
@@ -64,6 +65,7 @@ class Engine:
         self.scaler: torch.amp.GradScaler | None = None
         self.micro_step = 0
         self.pending: dict[str, Any] = {}  # loaded before the optimizer existed
+        self.sharded: ShardedStep | None = None  # the step split over CPU replicas' threads
 
     def attach(
         self,
@@ -111,6 +113,12 @@ class Engine:
             self.metrics = DeviceMetrics(self.config.metrics, devs) if self.config.metrics else None
             self.scaler = torch.amp.GradScaler("cuda") if dtype is torch.float16 else None
             self.load_training_state(self.pending)
+            cpus = [d for d in devs if d.type == "cpu"]
+            self.sharded = (
+                ShardedStep(self.optimizer, self.mgr.workers, len(devs))
+                if len(cpus) == len(devs) > 1 and self.optimizer is not None
+                and ShardedStep.supports(self.optimizer) else None
+            )
         if distributed:
             broadcast_module(self.module)  # every rank starts from rank 0's weights
         self.mgr.set_params(*self.host_state())
@@ -157,7 +165,9 @@ class Engine:
             return
         if self.optimizer is None or previous is None:
             named = dict(zip(self.manager.param_names, params))
-            self.optimizer = build_optimizer(self.config.optimizer, named, self.module, self.config.lr)
+            self.optimizer = build_optimizer(
+                self.config.optimizer, named, self.module, self.config.lr
+            )
             self.scheduler, self.scheduler_interval = build_scheduler(
                 self.config.lr_scheduler, self.optimizer
             )
@@ -200,10 +210,10 @@ class Engine:
             # step begins (monitors, callbacks).
             mgr.zero_grad()
         mgr.load_data_batch(batch)
-        mgr.forward(is_train=True)
+        mgr.forward(is_train=True, total_rows=batch.global_rows)
         self.micro_step += 1
         step_now = self.micro_step >= self.config.grad_accum_steps
-        mgr.backward(reduce=step_now, scale=self._loss_scale())
+        mgr.backward(reduce=False, scale=self._loss_scale())
         if self.metrics:
             mgr.update_metric(self.metrics)
         if step_now:
@@ -214,15 +224,16 @@ class Engine:
         """Step on gradients still accumulating at the end of an epoch; True if it stepped."""
         if self.micro_step == 0:
             return False
-        self.manager.reduce_gradients()
         self._optimizer_step()
         return True
 
     def _optimizer_step(self) -> None:
+        """Reduce gradients, clip, step, and copy device 0's parameters to the other devices."""
         mgr, opt, cfg = self.manager, self.optimizer, self.config
         if opt is None:
             raise RuntimeError("compile() the model with an optimizer before training")
         self.micro_step = 0
+        mgr.reduce_gradients()
         if self.scaler is not None:
             self.scaler.unscale_(opt)
         if cfg.grad_clip_norm is not None:
@@ -230,6 +241,8 @@ class Engine:
         if self.scaler is not None:
             self.scaler.step(opt)
             self.scaler.update()
+        elif self.sharded is not None:
+            self.sharded.step()
         else:
             opt.step()
         if self.scheduler is not None and self.scheduler_interval == "step":
@@ -257,7 +270,7 @@ class Engine:
         total, count = self.manager.loss_state()
         if self.manager.distributed:
             both = torch.stack([total.double().reshape(()), torch.tensor(float(count)).to(total)])
-            total, count = all_reduce_sum(both)  # type: ignore[assignment]
+            total, count = all_reduce_sum(both)
         logs = {"loss": float(total) / float(count)} if count else {}
         if self.metrics:
             logs.update(self.metrics.compute())

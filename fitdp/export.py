@@ -40,7 +40,9 @@ class InputSpec(NamedTuple):
         return f"{self.name}: [{dims}] {str(self.dtype).removeprefix('torch.')}"
 
 
-def export_module(module: torch.nn.Module, path: str | os.PathLike, example_inputs: Inputs) -> None:
+def export_module(
+    module: torch.nn.Module, path: str | os.PathLike[str], example_inputs: Inputs
+) -> None:
     """Write an eval-mode CPU copy of ``module`` to one ``.pt2`` file with a dynamic batch dim.
 
     In the file Dropout is off and BatchNorm uses running stats; ``module`` itself is untouched.
@@ -97,7 +99,7 @@ def export_module(module: torch.nn.Module, path: str | os.PathLike, example_inpu
     _atomic_save(program, path)
 
 
-def load_predictor(path: str | os.PathLike) -> Predictor:
+def load_predictor(path: str | os.PathLike[str]) -> Predictor:
     """Load a ``.pt2`` file written by ``model.export`` or ``torch.export.save``.
 
     Args:
@@ -162,7 +164,7 @@ class Predictor:
     def __repr__(self) -> str:
         return f"Predictor({self.name!r}, inputs=({', '.join(map(str, self.input_spec))}))"
 
-    def _check(self, args: tuple, kwargs: dict) -> None:
+    def _check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise clear errors for inputs that do not match ``input_spec`` (torch's are terse)."""
         positional = [s for s in self.input_spec if not s.keyword]
         keywords = {s.name: s for s in self.input_spec if s.keyword}
@@ -207,7 +209,7 @@ def _for_export(t: torch.Tensor) -> torch.Tensor:
     return (t.repeat(2, *[1] * (t.dim() - 1)) if t.shape[0] == 1 else t).detach().to("cpu")
 
 
-def _shapes(args: tuple, kwargs: dict) -> str:
+def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """``[key]: shape`` of each input, for error messages."""
     named = list(enumerate(args)) + [(repr(k), v) for k, v in kwargs.items()]
     return ", ".join(f"[{k}]: {list(v.shape)}" for k, v in named)

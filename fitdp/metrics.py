@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torchmetrics import Metric
@@ -65,7 +65,8 @@ class DeviceMetrics:
 
     Example:
         >>> from torchmetrics.classification import MulticlassAccuracy
-        >>> dm = DeviceMetrics({"acc": MulticlassAccuracy(num_classes=2)}, [torch.device("cpu")] * 2)
+        >>> cpu = torch.device("cpu")
+        >>> dm = DeviceMetrics({"acc": MulticlassAccuracy(num_classes=2)}, [cpu, cpu])
         >>> dm.update(0, torch.tensor([[1.0, 0.0]]), torch.tensor([0]))
         >>> dm.update(1, torch.tensor([[1.0, 0.0]]), torch.tensor([1]))
         >>> dm.compute()
@@ -124,7 +125,9 @@ class DeviceMetrics:
                 elif reduce_fn is None:
                     value = torch.stack(states)
                 else:
-                    value = reduce_fn(torch.stack(states))
+                    # add_state turns the reduction names ("sum", "mean", ...) into functions.
+                    fn = cast(Callable[[torch.Tensor], torch.Tensor], reduce_fn)
+                    value = fn(torch.stack(states))
             else:
                 value = [t.to(merged.device) for s in states for t in s]
             setattr(merged, attr, value)

@@ -157,7 +157,9 @@ class Model:
         seed = resolve_seed(seed)
         if validation_split:
             if validation_data is not None:
-                raise ValueError("validation_split: pass validation_data or validation_split, not both")
+                raise ValueError(
+                    "validation_split: pass validation_data or validation_split, not both"
+                )
             if y is None and isinstance(data, tuple) and len(data) == 2:
                 data, y = data
             data, y, vx, vy = split_validation(

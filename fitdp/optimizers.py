@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], float]] = {
+# Callable, not type[Optimizer]: the base class's __init__ takes no ``lr``, these all do.
+OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], float]] = {
     "sgd": (torch.optim.SGD, 0.01),
     "adam": (torch.optim.Adam, 1e-3),
     "adamw": (torch.optim.AdamW, 1e-3),
@@ -71,7 +72,9 @@ def build_optimizer(
         cls, default_lr = OPTIMIZERS[optimizer.lower()]
         return cls(params, lr=default_lr if lr is None else lr)
     if isinstance(optimizer, type):
-        return optimizer(params) if lr is None else optimizer(params, lr=lr)  # type: ignore[call-arg]
+        # A user's Optimizer subclass: ``lr`` is its own __init__'s, not the base class's.
+        cls = cast(Callable[..., torch.optim.Optimizer], optimizer)
+        return cls(params) if lr is None else cls(params, lr=lr)
     built = optimizer(params)
     if not isinstance(built, torch.optim.Optimizer):
         raise TypeError(
@@ -92,7 +95,8 @@ def rebind_optimizer(
     if all(mapping.get(id(p), p) is p for g in optimizer.param_groups for p in g["params"]):
         return optimizer
     groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [mapping[id(p)] for p in g["params"]]}
+        {**{k: v for k, v in g.items() if k != "params"},
+         "params": [mapping[id(p)] for p in g["params"]]}
         for g in optimizer.param_groups
     ]
     new = type(optimizer)(groups, **optimizer.defaults)

@@ -37,3 +37,20 @@ def test_distributed_bench_quick_runs() -> None:
         row = [line for line in proc.stdout.splitlines() if line.startswith(case)]
         assert row and "FAILED" not in row[0], proc.stdout
     assert "target (a) >= 0.95x (b):" in proc.stdout
+
+
+@pytest.mark.distributed  # run.py --quick includes distributed.py's 2-rank gloo launches
+def test_run_all_quick_writes_page_and_charts(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path)],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "ratio" in proc.stdout and "load average" in proc.stdout
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert "python bench/run.py --quick" in page
+    assert "```python" not in page  # tests/test_docs.py would run it
+    charts = sorted((tmp_path / "img").glob("*.png"))
+    assert charts, page
+    for chart in charts:  # every chart is on the page, by a relative link
+        assert f"](img/{chart.name})" in page

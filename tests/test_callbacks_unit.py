@@ -17,10 +17,23 @@ import pytest
 import torch
 from torch import nn
 
-from fitdp.callbacks import (HOOKS, BackupAndRestore, Callback, CallbackList, CSVLogger,
-                             EarlyStopping, History, LambdaCallback, LearningRateScheduler,
-                             ModelCheckpoint, ProgressBar, ReduceLROnPlateau, Speedometer,
-                             TensorBoard, TerminateOnNaN)
+from fitdp.callbacks import (
+    HOOKS,
+    BackupAndRestore,
+    Callback,
+    CallbackList,
+    CSVLogger,
+    EarlyStopping,
+    History,
+    LambdaCallback,
+    LearningRateScheduler,
+    ModelCheckpoint,
+    ProgressBar,
+    ReduceLROnPlateau,
+    Speedometer,
+    TensorBoard,
+    TerminateOnNaN,
+)
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 HAS_TB = importlib.util.find_spec("tensorboard") is not None

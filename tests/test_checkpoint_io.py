@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from fitdp import checkpoint
+from fitdp import checkpoint, seal
 from fitdp.checkpoint import (
     HEADER_KEY,
     CheckpointError,
@@ -76,7 +76,7 @@ def write_sealed(path: Path, obj: Any) -> None:
     """A torch.save file of ``obj`` with a valid fitdp seal: passes integrity, not content."""
     with open(path, "w+b") as f:
         torch.save(obj, f)
-        checkpoint._seal(f)
+        seal.seal(f)
 
 
 # --- round trip and input validation -------------------------------------------------------
@@ -209,7 +209,7 @@ def test_flipped_bytes_raise(tmp_path: Path, region: str, mask: int) -> None:
         "pickle": pickle_start + pickle_size // 2,
         "local header": 14,  # CRC field of the first record
         "central directory": central + 10,
-        "end record": len(data) - checkpoint._SEAL_LEN - 12,
+        "end record": len(data) - seal._SEAL_LEN - 12,
         "seal": len(data) - 5,
     }[region]
     data[position] ^= mask

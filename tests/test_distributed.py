@@ -26,12 +26,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, out, max_restarts: int = 0, limit: float = 120, script: list | None = None):
+def launch(scenario: str, out, max_restarts: int = 0, limit: float = 120,
+           script: list | None = None):
     """Run the 2-rank job; kill its whole process group if it outlives ``limit`` seconds."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "--max-restarts", str(max_restarts), *(script or [WORKER, scenario, str(out)])]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     start = time.monotonic()
@@ -89,7 +91,8 @@ def test_exact_metrics_and_predictions_on_uneven_data(tmp_path):
         out = net(x)
     assert got["preds"].shape == (37, 3)
     torch.testing.assert_close(got["preds"], out)
-    assert got["logs"]["loss"] == pytest.approx(float(nn.functional.cross_entropy(out, y)), rel=1e-5)
+    loss = float(nn.functional.cross_entropy(out, y))
+    assert got["logs"]["loss"] == pytest.approx(loss, rel=1e-5)
     acc = float(MulticlassAccuracy(num_classes=3)(out, y))
     assert got["logs"]["multiclass_accuracy"] == pytest.approx(acc, abs=1e-6)
 

@@ -19,7 +19,8 @@ DEVICE_SETUPS = [
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 5))
 
 
 def data(n: int = 100) -> tuple[torch.Tensor, torch.Tensor]:

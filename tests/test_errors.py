@@ -159,3 +159,14 @@ def test_one_shot_generator_with_several_epochs():
     gen = (fitdp.DataBatch(X[i:i + 5], Y[i:i + 5]) for i in range(0, 20, 5))
     with pytest.raises(ValueError, match="one-shot"):
         model.fit(gen, epochs=2, verbose=0)
+
+
+def test_sync_batchnorm_needs_cuda():
+    from fitdp.engine import Engine
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    model = fitdp.Model(net)
+    model.compile(optimizer="sgd", sync_batchnorm=True)
+    with pytest.raises(ValueError, match="SyncBatchNorm runs on CUDA only"):
+        Engine._convert_sync_batchnorm(model._engine, [torch.device("cpu")])
+    assert isinstance(net[1], nn.BatchNorm1d)  # untouched

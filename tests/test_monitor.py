@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import fitdp
-from fitdp.executor import DataParallelExecutorManager
 from fitdp.batch import DataBatch
+from fitdp.executor import DataParallelExecutorManager
 
 
 def test_default_stat_is_rms_and_interval_is_respected():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 # Substrings of log keys where higher is better ("auto" mode); "loss"/"error" win over them.
 _MAX_HINTS = ("acc", "auc", "auroc", "precision", "recall", "f1", "fbeta", "iou", "jaccard",
@@ -81,12 +81,12 @@ def check_count(name: str, value: Any, owner: str, *, minimum: int = 1) -> int:
     return int(value)
 
 
-def check_save_freq(save_freq: Any, owner: str) -> str | int:
+def check_save_freq(save_freq: Any, owner: str) -> Literal["epoch"] | int:
     """Return "epoch" or a positive int; anything else is a ValueError naming the fix."""
     if save_freq == "epoch":
         return "epoch"
     if isinstance(save_freq, numbers.Integral) and not isinstance(save_freq, bool) \
-            and save_freq > 0:
+            and int(save_freq) > 0:
         return int(save_freq)
     raise ValueError(f"{owner}(save_freq=...) got {save_freq!r}; expected 'epoch' (save at "
                      "each epoch end) or a positive int N (save every N optimizer steps).")

@@ -158,11 +158,14 @@ class CallbackList:
         from fitdp.callbacks.history import History  # the submodules import this one
         from fitdp.callbacks.progress import ProgressBar
 
+        items: Iterable[Any]
         if callbacks is None:
-            callbacks = []
+            items = []
         elif isinstance(callbacks, Callback) or _looks_like_callback(callbacks):
-            callbacks = [callbacks]
-        self.callbacks: list[Any] = list(callbacks)
+            items = [callbacks]
+        else:
+            items = callbacks
+        self.callbacks: list[Any] = list(items)
         for i, cb in enumerate(self.callbacks):
             _check_callback(i, cb)
         self._history = next((cb for cb in self.callbacks if isinstance(cb, History)), None)

@@ -76,7 +76,7 @@ class CSVLogger(Callback):
         self._writer(self._file).writerow(row)
         self._file.flush()
 
-    def _writer(self, file: IO[str]) -> csv.DictWriter:
+    def _writer(self, file: IO[str]) -> csv.DictWriter[str]:
         """A writer over `file` with the current header."""
         return csv.DictWriter(file, fieldnames=self.keys or [], delimiter=self.separator,
                               restval=_MISSING, extrasaction="ignore")

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fitdp.callbacks._monitor import (check_count, check_number, is_improvement, monitor_value,
-                                      resolve_mode)
+from fitdp.callbacks._monitor import (
+    check_count,
+    check_number,
+    is_improvement,
+    monitor_value,
+    resolve_mode,
+)
 from fitdp.callbacks.base import Callback
 
 

@@ -6,8 +6,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from fitdp.callbacks._monitor import (check_count, check_number, is_finite, is_improvement,
-                                      monitor_value, resolve_mode)
+from fitdp.callbacks._monitor import (
+    check_count,
+    check_number,
+    is_finite,
+    is_improvement,
+    monitor_value,
+    resolve_mode,
+)
 from fitdp.callbacks.base import Callback
 
 

@@ -8,8 +8,14 @@ import string
 import warnings
 from typing import Any
 
-from fitdp.callbacks._monitor import (check_count, check_save_freq, is_finite, is_improvement,
-                                      monitor_value, resolve_mode)
+from fitdp.callbacks._monitor import (
+    check_count,
+    check_save_freq,
+    is_finite,
+    is_improvement,
+    monitor_value,
+    resolve_mode,
+)
 from fitdp.callbacks.base import Callback
 
 

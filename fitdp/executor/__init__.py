@@ -11,4 +11,6 @@ from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.manager import DataParallelExecutorManager
 from fitdp.executor.slicing import split_input_slice
 
-__all__ = ["DataParallelExecutorGroup", "DataParallelExecutorManager", "Executor", "split_input_slice"]
+__all__ = [
+    "DataParallelExecutorGroup", "DataParallelExecutorManager", "Executor", "split_input_slice",
+]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -53,7 +55,9 @@ class DataParallelExecutorGroup:
         ]
         named = [dict(m.named_parameters()) for m in modules]
         self.param_names = [n for n, p in modules[0].named_parameters() if p.requires_grad]
-        self.param_arrays = [[params[n] for params in named] for n in self.param_names]
+        self.param_arrays: list[list[nn.Parameter]] = [
+            [params[n] for params in named] for n in self.param_names
+        ]
         buffers = [dict(m.named_buffers()) for m in modules]
         self.aux_names = list(buffers[0])
         self.aux_arrays = [[b[n] for b in buffers] for n in self.aux_names]
@@ -65,7 +69,7 @@ class DataParallelExecutorGroup:
         return [[p.grad for p in row] for row in self.param_arrays]
 
     def _run(self, fn: Callable[[Executor], Any]) -> list[Any]:
-        return self.workers.run([lambda ex=ex: fn(ex) for ex in self.executors])
+        return self.workers.run([functools.partial(fn, ex) for ex in self.executors])
 
     def load_data_batch(self, batch: DataBatch, slices: list[slice]) -> None:
         """Copy each device's slice of ``batch`` into its input buffers."""
@@ -77,8 +81,9 @@ class DataParallelExecutorGroup:
             return
         for ex, sl in zip(self.executors, slices):
             valid = max(0, min(sl.stop, valid_end) - sl.start)
-            label = None if batch.label is None else tree_map(lambda t, sl=sl: t[sl], batch.label)
-            ex.load(tree_map(lambda t, sl=sl: t[sl], batch.data), label, valid)
+            take = operator.itemgetter(sl)
+            label = None if batch.label is None else tree_map(take, batch.label)
+            ex.load(tree_map(take, batch.data), label, valid)
         self._warn_grown()
 
     def _warn_grown(self) -> None:
@@ -128,7 +133,7 @@ class DataParallelExecutorGroup:
                 if ex.valid > 0:
                     metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(lab))
 
-        self.workers.run([lambda ex=ex, d=d: update(ex, d) for d, ex in enumerate(self.executors)])
+        self.workers.run([functools.partial(update, ex, d) for d, ex in enumerate(self.executors)])
 
     def outputs(self) -> list[Any]:
         """Each device's outputs, padding rows removed."""

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,9 @@ from fitdp.executor.reduce import FlatBuckets
 from fitdp.executor.sharing import check_unique_names, share_by_name
 from fitdp.executor.slicing import check_work_load_list, split_input_slice
 from fitdp.executor.workers import DeviceWorkers
+
+# Parameters or buffers: names, their ``[name][device]`` tensors, and the caller's by name.
+_Named = tuple[list[str], Sequence[Sequence[torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
 class DataParallelExecutorManager:
@@ -104,7 +108,7 @@ class DataParallelExecutorManager:
         return self.execgrp.aux_names
 
     @property
-    def param_arrays(self) -> list[list[torch.Tensor]]:
+    def param_arrays(self) -> list[list[nn.Parameter]]:
         """``[parameter][device]``, shared by every bucket."""
         return self.execgrp.param_arrays
 
@@ -128,7 +132,10 @@ class DataParallelExecutorManager:
         key = data_batch.bucket_key
         if self.bucket_module is None or key is None:
             key = self.default_bucket_key
-        group = self.groups.get(key) if _hashable(key) else None
+        try:
+            group = self.groups.get(key)
+        except TypeError:  # unhashable: _bucket_group says so clearly
+            group = None
         if group is None:
             group = self._bucket_group(key)
         self.curr_execgrp = group
@@ -147,7 +154,8 @@ class DataParallelExecutorManager:
         total: int | torch.Tensor | None = total_rows
         if total is None:
             total = sum(ex.valid for ex in group.executors)
-            if self.distributed and self.loss is not None:
+            # Only training needs the weights; a source that knows the count passes it in.
+            if self.distributed and is_train and self.loss is not None:
                 total = self._global_rows(total)
         group.forward(is_train, self.loss, total, self.autocast_dtype)
 
@@ -187,7 +195,7 @@ class DataParallelExecutorManager:
             return
         group = self.curr_execgrp
         for ex, sl in zip(group.executors, group.slices):
-            lab = ex.labels if labels is None else tree_map(lambda t, sl=sl: t[sl], labels)
+            lab = ex.labels if labels is None else tree_map(operator.itemgetter(sl), labels)
             if ex.valid > 0:
                 to = tree_map(lambda t: t.to(metric.device), (ex.outputs, lab))
                 metric.update(*ex.valid_rows(to))
@@ -212,10 +220,11 @@ class DataParallelExecutorManager:
         self, arg_params: Mapping[str, torch.Tensor], aux_params: Mapping[str, torch.Tensor]
     ) -> None:
         """Copy host parameters and buffers (by name) into every device's replica."""
-        for names, arrays, src in (
+        blocks: tuple[_Named, _Named] = (
             (self.param_names, self.param_arrays, arg_params),
             (self.aux_names, self.aux_arrays, aux_params),
-        ):
+        )
+        for names, arrays, src in blocks:
             unknown = sorted(set(src) - set(names))
             if unknown:
                 raise ValueError(
@@ -233,10 +242,11 @@ class DataParallelExecutorManager:
     ) -> None:
         """Average every parameter and buffer over devices into the caller's tensors, in place
         (cast to each target's dtype)."""
-        for names, arrays, dst in (
+        blocks: tuple[_Named, _Named] = (
             (self.param_names, self.param_arrays, arg_params),
             (self.aux_names, self.aux_arrays, aux_params),
-        ):
+        )
+        for names, arrays, dst in blocks:
             for name, block in zip(names, arrays):
                 if name in dst:
                     _average_into(dst[name], block)
@@ -266,9 +276,10 @@ class DataParallelExecutorManager:
 
     def loss_state(self) -> tuple[torch.Tensor, int]:
         """(sum of per-row losses, rows) since ``reset_loss``, on device 0 (no host sync)."""
-        execs = [ex for g in self.groups.values() for ex in g.executors]
-        total = sum(ex.loss_sum.to(self.devices[0], non_blocking=True) for ex in execs)
-        return total, sum(ex.loss_count for ex in execs)  # type: ignore[return-value]
+        folded = [ex.fold_losses() for g in self.groups.values() for ex in g.executors]
+        # Never empty (every group has an executor), so sum() is a Tensor, not its start 0.
+        total = cast(torch.Tensor, sum(t.to(self.devices[0], non_blocking=True) for t, _ in folded))
+        return total, sum(n for _, n in folded)
 
     def reset_loss(self) -> None:
         for g in self.groups.values():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import cast
 
 from torch import nn
 
@@ -64,6 +65,6 @@ def share_by_name(module: nn.Module, base: nn.Module, bucket_key: Hashable) -> N
                 )
             owner, leaf = _owner(module, name)
             if kind == "parameter":
-                owner._parameters[leaf] = shared  # type: ignore[assignment]
+                owner._parameters[leaf] = cast(nn.Parameter, shared)  # from named_parameters
             else:
                 owner._buffers[leaf] = shared

@@ -52,11 +52,11 @@ class DeviceWorkers:
             first.set_exception(err)
         results = []
         for fut in [first, *futures]:
-            err = fut.exception()
-            if err is not None:
+            exc = fut.exception()
+            if exc is not None:
                 for other in futures:
                     other.exception()
-                raise err
+                raise exc
             results.append(fut.result())
         return results
 

@@ -1,0 +1,219 @@
+"""The numbers of each benchmark's ``--json`` output as tables: ratio rows with targets, details.
+
+The targets are the ones each script prints (overhead.py, checkpoint.py, bucketing.py,
+distributed.py); they are repeated here because only some scripts write them into their JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TINY = "tiny MLP 32-64-64-10, batch 32"
+WIDE = "MLP 784-512-512-10, batch 256"
+
+
+@dataclass
+class Table:
+    """Rows of already formatted cells; prints as aligned text or as a Markdown table."""
+
+    headers: list[str]
+    rows: list[list[str]]
+
+    def text(self) -> str:
+        cells = [self.headers, *self.rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(self.headers))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        def line(cells: list[str]) -> str:
+            return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+        return "\n".join([line(self.headers), "|" + "---|" * len(self.headers),
+                          *(line(r) for r in self.rows)])
+
+
+@dataclass
+class Ratio:
+    """One comparison of fitdp against its reference, and the target it is held to."""
+
+    bench: str
+    case: str
+    reference: str  # formatted, with the reference's name
+    fitdp: str
+    ratio: float | None  # None where the target applies to the value itself (padding)
+    check: float | None  # what the target compares: the ratio, or the value
+    op: str = ""  # "<=" or ">="
+    target: float | None = None
+    peers: list[str] = field(default_factory=list)  # "Keras 3.74 ms (5.85x)"
+    target_format: str = "{:.2f}"
+
+    @property
+    def result(self) -> str:
+        if self.target is None or self.check is None:
+            return "-"
+        ok = self.check <= self.target if self.op == "<=" else self.check >= self.target
+        return "PASS" if ok else "MISS"
+
+    def cells(self, with_bench: bool = True) -> list[str]:
+        target = ("-" if self.target is None
+                  else f"{self.op} {self.target_format.format(self.target)}")
+        ratio = f"{self.ratio:.3f}x" if self.ratio is not None else "-"
+        head = [self.bench] if with_bench else []
+        return [*head, self.case, self.reference, self.fitdp, ratio, target, self.result,
+                "; ".join(self.peers) or "-"]
+
+
+RATIO_HEADERS = ["case", "reference", "fitdp", "ratio", "target", "result", "peers (ratio)"]
+
+
+def ratio_table(rows: list[Ratio], with_bench: bool = True) -> Table:
+    return Table((["benchmark"] if with_bench else []) + RATIO_HEADERS,
+                 [r.cells(with_bench) for r in rows])
+
+
+def overhead(data: dict[str, Any], keras: dict[str, Any] | None) -> tuple[list[Ratio], Table]:
+    """fitdp vs hand loop per step (and Keras, measured against its own hand loop)."""
+    rows, detail = [], []
+    for name, target in ((TINY, 1.10), (WIDE, 1.02)):
+        r = data[name]
+        peers = []
+        k = (keras or {}).get("cases", {}).get(name)
+        if k:
+            peers.append(f"Keras {k['a_ms']:.3f} ms ({k['ratio']:.2f}x its hand loop)")
+        rows.append(Ratio("overhead", f"{name}: ms/step", f"hand loop {r['b_ms']:.3f}",
+                          f"{r['a_ms']:.3f}", r["ratio"], r["ratio"], "<=", target, peers))
+        detail.append([name, f"{r['b_ms']:.3f}", f"{r['a_ms']:.3f}", f"{r['ratio']:.3f}x",
+                       f"{k['a_ms']:.3f}" if k else "-", f"{k['b_ms']:.3f}" if k else "-",
+                       f"{k['ratio']:.3f}x" if k else "-"])
+    s = data["scaling"]
+    rows.append(Ratio("overhead", "MLP 1024-1024-1024-10, batch 256: 2-replica speed-up",
+                      f"1 replica {s['a_ms']:.2f} ms/step", f"2 replicas {s['b_ms']:.2f}",
+                      s["ratio"], s["ratio"], ">=", 1.5))
+    detail.append(["MLP 1024^3, batch 256: 2 replicas (fitdp) vs 1 replica (reference)",
+                   f"{s['a_ms']:.3f}", f"{s['b_ms']:.3f}", f"{s['ratio']:.3f}x speed-up",
+                   "-", "-", "-"])
+    headers = ["case", "hand ms/step", "fitdp ms/step", "fitdp / hand", "Keras ms/step",
+               "hand ms/step (Keras run)", "Keras / hand"]
+    return rows, Table(headers, detail)
+
+
+def checkpoint(data: dict[str, Any]) -> tuple[list[Ratio], Table]:
+    """Model.save vs bare torch.save; copy_to bandwidth vs memcpy."""
+    save, copy = data["save_s"], data["copy"]
+    ms = {k: v * 1e3 for k, v in save.items() if not k.endswith(" bytes")}
+    fsync = ms["torch.save + fsync"]
+    rows = [
+        Ratio("checkpoint", f"save, MLP of {data['params'] / 1e6:.1f}M params + Adam: ms",
+              f"torch.save {ms['bare torch.save']:.1f}", f"{ms['fitdp Model.save']:.1f}",
+              data["save_ratio"], data["save_ratio"], "<=", 1.10,
+              [f"torch.save + fsync {fsync:.1f} ms ({fsync / ms['bare torch.save']:.2f}x)"]),
+        Ratio("checkpoint", "copy_to from 2 CPU replicas: GB/s (read + write)",
+              f"memcpy {copy['memcpy GB/s']:.2f}", f"{copy['copy_to GB/s']:.2f}",
+              data["copy_bandwidth_ratio"], data["copy_bandwidth_ratio"], ">=", 0.5),
+    ]
+    base = ms["bare torch.save"]
+    detail = [[name.strip(), f"{ms[name]:.2f} ms",
+               f"{save[name + ' bytes'] / 1e6:.1f}" if name + " bytes" in save else "-",
+               f"{ms[name] / base:.3f}x"]
+              for name in ("fitdp Model.save", "  of which training_state()", "bare torch.save",
+                           "torch.save + fsync")]
+    for name, key in (("copy_to, 2 CPU replicas -> host", "copy_to"),
+                      ("memcpy dst.copy_(src)", "memcpy")):
+        detail.append([name, f"{copy[key + ' s'] * 1e3:.2f} ms",
+                       f"{copy[key + ' bytes'] / 1e6:.1f} (r+w)",
+                       f"{copy[key + ' GB/s']:.2f} GB/s"])
+    return rows, Table(["case", "median", "MB", "vs bare torch.save / bandwidth"], detail)
+
+
+BUCKET_NAMES = {
+    "a": "(a) pad all to 256, hand loop",
+    "b": "(b) random, pad to batch max, hand loop",
+    "c": "(c) length-grouped sampler, hand loop",
+    "d": "(d) fitdp BucketIterator",
+    "m20": "fitdp, 20 buckets",
+    "m1": "fitdp, largest bucket alone",
+}
+
+
+def bucketing(data: dict[str, Any]) -> tuple[list[Ratio], Table]:
+    """Real tokens/s of four batching strategies; padding; memory of 20 buckets vs one."""
+    r = data["results"]
+    a, b, c, d, m20, m1 = (r[k] for k in ("a", "b", "c", "d", "m20", "m1"))
+
+    def tps(x: dict[str, Any]) -> str:
+        return f"{x['tokens_per_s']:,.0f}"
+
+    rows = [
+        Ratio("bucketing", "GRU, real tokens/s vs length-grouped sampler",
+              f"(c) hand {tps(c)}", tps(d), d["tokens_per_s"] / c["tokens_per_s"],
+              d["tokens_per_s"] / c["tokens_per_s"], ">=", 0.95,
+              [f"(b) pad to batch max {tps(b)} ({b['tokens_per_s'] / c['tokens_per_s']:.2f}x)"]),
+        Ratio("bucketing", "GRU, real tokens/s vs pad all to 256", f"(a) hand {tps(a)}", tps(d),
+              d["tokens_per_s"] / a["tokens_per_s"], d["tokens_per_s"] / a["tokens_per_s"],
+              ">=", 2.0),
+        Ratio("bucketing", "padding of automatic buckets", f"(c) {c['padding']:.1%}",
+              f"{d['padding']:.1%}", None, d["padding"], "<=", 0.05, target_format="{:.0%}"),
+        Ratio("bucketing", "peak RSS MB, 20 buckets vs largest alone",
+              f"largest alone {m1['peak_rss_mb']:.0f}", f"{m20['peak_rss_mb']:.0f}",
+              m20["peak_rss_mb"] / m1["peak_rss_mb"], m20["peak_rss_mb"] / m1["peak_rss_mb"],
+              "<=", 1.05),
+        Ratio("bucketing", "training RSS MB, 20 buckets vs largest alone",
+              f"largest alone {m1['train_rss_mb']:.1f}", f"{m20['train_rss_mb']:.1f}",
+              m20["train_rss_mb"] / m1["train_rss_mb"], m20["train_rss_mb"] / m1["train_rss_mb"],
+              "<=", 1.05),
+    ]
+    detail = []
+    for key, name in BUCKET_NAMES.items():
+        x = r[key]
+        timed = "tokens_per_s" in x
+        detail.append([name, tps(x) if timed else "-",
+                       f"{x['wall_tokens_per_s']:,.0f}" if timed else "-", f"{x['padding']:.1%}",
+                       f"{x['peak_rss_mb']:.0f}", f"{x['train_rss_mb']:.1f}"])
+    headers = ["strategy", "real tokens/s (CPU time)", "real tokens/s (wall)", "padding",
+               "peak RSS MB", "training RSS MB"]
+    return rows, Table(headers, detail)
+
+
+DIST_NAMES = {
+    "a": "(a) fitdp, torchrun 2 ranks",
+    "b": "(b) hand DDP loop, torchrun 2 ranks",
+    "c": "(c) Lightning DDP, torchrun 2 ranks",
+    "d": "(d) fitdp, 1 process, devices=[cpu, cpu]",
+}
+
+
+def distributed(data: dict[str, Any]) -> tuple[list[Ratio], Table]:
+    """Samples/s under torchrun: fitdp and Lightning against a hand DDP loop."""
+    rows_in = data["rows"]
+    b = rows_in.get("b")
+    rows: list[Ratio] = []
+    if b:
+        ref = f"(b) hand DDP {b['samples_per_s']:,.0f}"
+        peers = []
+        if "c" in rows_in:
+            c = rows_in["c"]
+            peers.append(f"Lightning {c['samples_per_s']:,.0f} "
+                         f"({c['samples_per_s'] / b['samples_per_s']:.2f}x)")
+        for key, case, target in (("a", "MLP 784-512-512-10, samples/s, 2 ranks", 0.95),
+                                  ("d", "same, 1 process, devices=[cpu, cpu]", None)):
+            if key in rows_in:
+                x = rows_in[key]
+                ratio = x["samples_per_s"] / b["samples_per_s"]
+                rows.append(Ratio("distributed", case, ref, f"{x['samples_per_s']:,.0f}", ratio,
+                                  ratio, ">=" if target else "", target,
+                                  peers if key == "a" else []))
+    detail = []
+    for key, name in DIST_NAMES.items():
+        if key not in rows_in:
+            continue
+        x = rows_in[key]
+        ratio = f"{x['samples_per_s'] / b['samples_per_s']:.3f}x" if b else "-"
+        detail.append([name, f"{x['samples_per_s']:,.0f}", ratio,
+                       f"{256 / x['samples_per_s'] * 1e3:.2f}", f"{x['loss']:.5f}",
+                       ", ".join(f"{v:,.0f}" for v in x.get("runs_samples_per_s", []))])
+    headers = ["case", "samples/s (median)", "vs (b)", "ms per global batch of 256",
+               "final loss", "samples/s per round"]
+    return rows, Table(headers, detail)
