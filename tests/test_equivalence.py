@@ -42,6 +42,11 @@ def hand_loop(net: nn.Module, opt_cls: type, x: torch.Tensor, y: torch.Tensor, s
     return net
 
 
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("devices,work_load", DEVICE_SETUPS)
 @pytest.mark.parametrize("opt_cls,opt_kw", [
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
@@ -54,8 +59,7 @@ def test_fit_matches_hand_loop(devices, work_load, opt_cls, opt_kw):
     model.compile(optimizer=lambda p: opt_cls(p, **opt_kw), loss="cross_entropy")
     model.fit(x, y, batch_size=10, epochs=1, devices=devices, work_load_list=work_load,
               shuffle=False, verbose=0)
-    for (name, p), q in zip(model.module.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_weights(model.module, ref)
 
 
 @pytest.mark.parametrize("devices,work_load", DEVICE_SETUPS[1:])
@@ -74,8 +78,7 @@ def test_last_partial_batch_is_trained(devices, work_load):
     model.fit(x, y, batch_size=10, devices=devices, work_load_list=work_load, shuffle=False,
               verbose=0)
     assert model.global_step == 3
-    for p, q in zip(model.module.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.module, ref)
 
 
 def test_tail_batch_smaller_than_device_count():
@@ -85,8 +88,7 @@ def test_tail_batch_smaller_than_device_count():
     model = fitdp.Model(mlp())
     model.compile(optimizer="sgd", lr=0.1, loss="cross_entropy")
     model.fit(x, y, batch_size=4, devices=["cpu"] * 3, shuffle=False, verbose=0)
-    for p, q in zip(model.module.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.module, ref)
 
 
 def test_grad_accumulation_matches_mean_of_micro_batches():
@@ -103,8 +105,7 @@ def test_grad_accumulation_matches_mean_of_micro_batches():
     model.compile(optimizer="sgd", lr=0.1, loss="cross_entropy", grad_accum_steps=2)
     model.fit(x, y, batch_size=10, devices=["cpu", "cpu"], shuffle=False, verbose=0)
     assert model.global_step == 2
-    for p, q in zip(model.module.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.module, ref)
 
 
 def test_grad_clip_norm_matches_torch_clip():
@@ -120,8 +121,7 @@ def test_grad_clip_norm_matches_torch_clip():
     model = fitdp.Model(net)
     model.compile(optimizer="sgd", lr=0.5, loss="cross_entropy", grad_clip_norm=0.05)
     model.fit(x, y, batch_size=10, devices=["cpu", "cpu"], shuffle=False, verbose=0)
-    for p, q in zip(model.module.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.module, ref)
 
 
 def test_batchnorm_replicas_and_copy_to_mean():

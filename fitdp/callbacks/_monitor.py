@@ -90,3 +90,9 @@ def check_save_freq(save_freq: Any, owner: str) -> Literal["epoch"] | int:
         return int(save_freq)
     raise ValueError(f"{owner}(save_freq=...) got {save_freq!r}; expected 'epoch' (save at "
                      "each epoch end) or a positive int N (save every N optimizer steps).")
+
+
+def step_save_due(save_freq: str | int, step: int, last: int) -> bool:
+    """Whether a ``save_freq=N`` save is due after optimizer step ``step``: once per step (with
+    gradient accumulation several batches share one), never for ``save_freq="epoch"``."""
+    return save_freq != "epoch" and step > 0 and step % int(save_freq) == 0 and step != last

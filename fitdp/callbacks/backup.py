@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fitdp.callbacks._monitor import check_save_freq
+from fitdp.callbacks._monitor import check_save_freq, step_save_due
 from fitdp.callbacks.base import Callback
 
 
@@ -61,11 +61,8 @@ class BackupAndRestore(Callback):
             self.model.save(self.path)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
-        if self.save_freq == "epoch":
-            return
         step = int(self.model.global_step)
-        # With gradient accumulation several batches share a step: back up once per step.
-        if step > 0 and step % self.save_freq == 0 and step != self._last_step:
+        if step_save_due(self.save_freq, step, self._last_step):
             self._last_step = step
             self._backup()
 

@@ -15,6 +15,7 @@ from fitdp.callbacks._monitor import (
     is_improvement,
     monitor_value,
     resolve_mode,
+    step_save_due,
 )
 from fitdp.callbacks.base import Callback
 
@@ -75,11 +76,8 @@ class ModelCheckpoint(Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
-        if self.save_freq == "epoch":
-            return
         step = int(self.model.global_step)
-        # With gradient accumulation several batches share a step: save once per step.
-        if step > 0 and step % self.save_freq == 0 and step != self._last_step:
+        if step_save_due(self.save_freq, step, self._last_step):
             self._last_step = step
             self._save(logs, batch)
 
