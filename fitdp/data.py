@@ -70,34 +70,31 @@ class TensorSource:
             self.epoch, self.position = epoch, 0
 
     def __iter__(self) -> Iterator[DataBatch]:
-        index = (
-            torch.randperm(self.num_samples, generator=_epoch_generator(self.seed, self.epoch))
-            if self.shuffle
-            else torch.arange(self.num_samples)
-        )
-        # One gather per epoch, then every batch is a view: the cheapest way to batch tensors.
-        x = tree_map(lambda t: t[index], self.x) if self.shuffle else self.x
-        y = tree_map(lambda t: t[index], self.y) if self.shuffle else self.y
+        x, y = self.x, self.y
+        if self.shuffle:
+            # One gather per epoch, then every batch is a view: the cheapest way to batch.
+            order = torch.randperm(self.num_samples,
+                                   generator=_epoch_generator(self.seed, self.epoch))
+            x, y = tree_map(lambda t: t[order], (x, y))
         # Plain tensors (the common case) are sliced directly: this runs once per step.
         take = _slicer(x)
         take_y = _slicer(y)
         steps = len(self)
         while self.position < steps:
-            sl = self._rows(self.position)
+            sl, rows = self._rows(self.position)
             self.position += 1
             # No per-batch index: predict never shuffles, so batch order is input order.
-            start = (self.position - 1) * self.global_batch
-            rows = min(self.global_batch, self.num_samples - start)
             yield DataBatch(take(sl), take_y(sl), global_rows=rows)
         self.epoch, self.position = self.epoch + 1, 0
 
-    def _rows(self, step: int) -> slice:
-        """This rank's rows of global batch ``step``: an even split, earlier ranks first."""
+    def _rows(self, step: int) -> tuple[slice, int]:
+        """This rank's rows of global batch ``step`` (an even split, earlier ranks first), and
+        the global batch's size."""
         start = step * self.global_batch
         rows = min(self.global_batch, self.num_samples - start)
         base, extra = divmod(rows, self.world_size)
         begin = start + self.rank * base + min(self.rank, extra)
-        return slice(begin, begin + base + (self.rank < extra))
+        return slice(begin, begin + base + (self.rank < extra)), rows
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,

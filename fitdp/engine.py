@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.batch import DataBatch, tree_leaves
+from fitdp.batch import DataBatch
 from fitdp.devices import DevicesArg, resolve_devices
 from fitdp.distributed import all_reduce_sum, average_buffers, broadcast_module
 from fitdp.executor.manager import DataParallelExecutorManager
@@ -195,9 +195,6 @@ class Engine:
         """Checks made on the first batch of a call, before any weight changes."""
         if batch.label is not None:
             check_targets(self.config.loss, batch.label)
-        for t in tree_leaves(batch.data):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"data: a batch holds {type(t).__name__}; expected tensors")
 
     def train_step(self, batch: DataBatch) -> bool:
         """Forward, backward and (every ``grad_accum_steps`` batches) one optimizer step.

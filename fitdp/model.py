@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from fitdp import resume as resume_lib
 from fitdp.args import check_callbacks, check_int, resolve_seed, verbose_level
 from fitdp.callbacks import Callback, CallbackList, History
 from fitdp.checkpoint import load_checkpoint, restore_rng_state, save_checkpoint
-from fitdp.data import as_tensors, make_source, split_validation
+from fitdp.data import TensorSource, as_tensors, make_source, split_validation
 from fitdp.devices import DevicesArg, resolve_devices
 from fitdp.distributed import DEFAULT_TIMEOUT, DistInfo, report_failure
 from fitdp.engine import PRECISIONS, CompileConfig, Engine
@@ -238,7 +239,8 @@ class Model:
                              rank=info.rank, world_size=info.world_size)
         self._attach(engine, source, devices, None, batch_size, info)
         cbs = self._callbacks(callbacks, verbose, steps=_len(source), batch_size=batch_size)
-        return self._evaluate(source, cbs, log_every=50)
+        with _keep_mode(self.module):
+            return self._evaluate(source, cbs, log_every=50)
 
     def predict(
         self, data: Any, *, batch_size: int = 32, devices: DevicesArg = "auto",
@@ -255,7 +257,8 @@ class Model:
         self._attach(self._engine, source, devices, None, batch_size, info)
         cbs = self._callbacks(callbacks, 0, steps=_len(source), batch_size=batch_size)
         cbs.call("on_predict_begin", {})
-        rows = run_batches(self, self._engine, "predict", source, cbs)
+        with _keep_mode(self.module):
+            rows = run_batches(self, self._engine, "predict", source, cbs)
         cbs.call("on_predict_end", {})
         return assemble(rows, info.rank, info.world_size)
 
@@ -273,7 +276,9 @@ class Model:
     ) -> DataParallelExecutorManager:
         """The manager for this call, with input buffers sized for the largest bucket and
         every bucket's group built before any weight changes."""
-        mgr = engine.attach(devices, work_load_list, batch_size if hasattr(source, "x") else None,
+        # Only in-memory tensors split batch_size per step; other sources bring their batches.
+        per_step = batch_size if isinstance(source, TensorSource) else None
+        mgr = engine.attach(devices, work_load_list, per_step,
                             getattr(source, "default_bucket_key", None), info.enabled)
         if hasattr(source, "provide_data"):
             mgr.reserve([*source.provide_data, *source.provide_label])
@@ -353,6 +358,18 @@ class Model:
         self.module.load_state_dict(weights)
         if self._engine is not None and self._engine.mgr is not None:
             self._engine.mgr.set_params(*self._engine.host_state())
+
+
+@contextlib.contextmanager
+def _keep_mode(module: nn.Module) -> Iterator[None]:
+    """Give ``module`` back in the train/eval mode it had (with one device it is the replica
+    that evaluate and predict switch to eval mode)."""
+    training = module.training
+    try:
+        yield
+    finally:
+        if module.training is not training:
+            module.train(training)
 
 
 def _len(source: Any) -> int | None:

@@ -199,3 +199,19 @@ def test_numpy_float64_is_cast_like_keras():
     model = compiled()
     preds = model.predict(np.asarray(x, dtype=np.float64), batch_size=4)
     assert preds.dtype == torch.float32
+
+
+def test_modes_follow_the_user_between_calls():
+    """Regression: predict left a one-device model in eval mode, and a cached mode flag then
+    trained it in eval mode after the user switched it."""
+    x, y = classification(32)
+    model = compiled(nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 3)))
+    model.fit(x, y, batch_size=8, devices=["cpu"], verbose=0)
+    model.predict(x, devices=["cpu"])
+    model.evaluate(x, y, devices=["cpu"], verbose=0)
+    assert model.module.training
+    model.module.eval()
+    seen = []
+    model.module[1].register_forward_hook(lambda m, i, o: seen.append(m.training))
+    model.fit(x, y, batch_size=8, devices=["cpu"], verbose=0)
+    assert seen and all(seen)

@@ -62,7 +62,6 @@ class DataParallelExecutorGroup:
         self.aux_names = list(buffers[0])
         self.aux_arrays = [[b[n] for b in buffers] for n in self.aux_names]
         self.slices: list[slice] = []
-        self._is_train: bool | None = None
 
     @property
     def grad_arrays(self) -> list[list[torch.Tensor | None]]:
@@ -109,10 +108,11 @@ class DataParallelExecutorGroup:
         autocast_dtype: torch.dtype | None,
     ) -> None:
         """Run every replica on its slice; each loss is weighted by ``valid / total_rows``."""
-        if self._is_train is not is_train:
-            for ex in self.executors:
+        # Read the mode rather than cache it: with one device the replica is the user's module,
+        # which the user may switch between calls (train() walks every submodule: only then).
+        for ex in self.executors:
+            if ex.module.training is not is_train:
                 ex.module.train(is_train)
-            self._is_train = is_train
         denom = total_rows.clamp(min=1) if isinstance(total_rows, torch.Tensor) else float(
             max(total_rows, 1))
         self._run(lambda ex: ex.forward(is_train, loss_fn, ex.valid / denom, autocast_dtype))
