@@ -1,0 +1,1 @@
+"""Data sources: every form fit/evaluate/predict accept, behind one interface."""
