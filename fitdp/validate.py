@@ -1,0 +1,161 @@
+"""Argument checks, one message form for all of fitdp.
+
+Every message reads ``<argument>: got <what was received>; expected <what was expected>.
+Fix: <how>.``, and is raised before anything changes (a TypeError for the wrong kind of
+value, a ValueError for the right kind with a wrong value).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import stat
+from collections.abc import Collection
+from typing import Any, NoReturn
+
+
+def describe(value: Any) -> str:
+    """A short description of a received value for messages: its repr and, for non-numbers,
+    its type (``'5' (str)``)."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    if isinstance(value, (bool, int, float)) and not isinstance(value, bool):
+        return text
+    return f"{text} ({type(value).__name__})"
+
+
+def fail(name: str, got: Any, expected: str, fix: str = "", *,
+         error: type[Exception] = ValueError, described: bool = False) -> NoReturn:
+    """Raise ``error`` with the one message form.
+
+    Args:
+        name: the argument, as the user wrote it (``"lr"``, ``"fit(validation_data=...)"``).
+        got: the value received (described with ``describe``), or a description of it when
+            ``described``.
+        expected: what would have been accepted.
+        fix: how to fix it (omitted when empty).
+        error: the exception class.
+        described: ``got`` is already a description.
+
+    Example:
+        >>> fail("lr", -1.0, "a number >= 0", "pass lr=1e-3")
+        Traceback (most recent call last):
+        ...
+        ValueError: lr: got -1.0; expected a number >= 0. Fix: pass lr=1e-3.
+    """
+    received = got if described else describe(got)
+    tail = f" Fix: {fix.rstrip('.')}." if fix else ""
+    raise error(f"{name}: got {received}; expected {expected}.{tail}")
+
+
+def check_int(name: str, value: Any, minimum: int | None = None, *, fix: str = "") -> int:
+    """``value`` as an int (numpy ints too; bools refused), at least ``minimum``.
+
+    Raises:
+        TypeError: not an int. ValueError: below ``minimum``.
+
+    Example:
+        >>> check_int("epochs", 3, 0)
+        3
+    """
+    expected = "an int" if minimum is None else f"an int >= {minimum}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        fail(name, value, expected, fix, error=TypeError)
+    if minimum is not None and value < minimum:
+        fail(name, value, expected, fix)
+    return int(value)
+
+
+def check_number(name: str, value: Any, *, low: float | None = None,
+                 high: float | None = None, low_open: bool = False, high_open: bool = False,
+                 fix: str = "") -> float:
+    """``value`` as a finite float within the bounds (bools, NaN and infinities refused).
+
+    Args:
+        name: the argument's name.
+        value: what was received.
+        low, high: bounds (None: unbounded).
+        low_open, high_open: exclude the bound itself.
+        fix: how to fix a bad value.
+
+    Raises:
+        TypeError: not a real number (or a bool). ValueError: NaN, infinite or out of bounds.
+
+    Example:
+        >>> check_number("validation_split", 0.2, low=0, high=1, high_open=True)
+        0.2
+    """
+    parts = ["finite"]
+    if low is not None:
+        parts.append(f"{'>' if low_open else '>='} {low:g}")
+    if high is not None:
+        parts.append(f"{'<' if high_open else '<='} {high:g}")
+    expected = "a " + (" number ".join([parts[0], " and ".join(parts[1:])]) if parts[1:]
+                       else "finite number")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(name, value, expected, fix, error=TypeError)
+    v = float(value)
+    ok = math.isfinite(v)
+    if ok and low is not None:
+        ok = v > low if low_open else v >= low
+    if ok and high is not None:
+        ok = v < high if high_open else v <= high
+    if not ok:
+        fail(name, value, expected, fix)
+    return v
+
+
+def check_choice(name: str, value: Any, choices: Collection[Any], fix: str = "") -> Any:
+    """``value`` if it is one of ``choices``.
+
+    Raises:
+        ValueError: naming the choices.
+
+    Example:
+        >>> check_choice("precision", "32", ("32", "bf16-mixed"))
+        '32'
+    """
+    try:
+        if value in choices and not isinstance(value, bool):
+            return value
+    except TypeError:  # unhashable value against a set of choices
+        pass
+    fail(name, value, "one of " + ", ".join(repr(c) for c in choices), fix)
+
+
+def check_path(name: str, path: Any, *, must_exist: bool = False) -> str:
+    """``path`` as a string naming a regular file (existing or to be written).
+
+    A FIFO, socket or device is refused rather than opened (opening a FIFO waits forever for
+    a writer), and so is a folder.
+
+    Raises:
+        TypeError: not a ``str`` or ``os.PathLike``. ValueError: empty, a folder or a special
+            file. FileNotFoundError: ``must_exist`` and nothing is there.
+
+    Example:
+        >>> check_path("path", "model.ckpt")
+        'model.ckpt'
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        fail(name, path, "a file path (str or os.PathLike)", error=TypeError)
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text:
+        fail(name, path, "a non-empty file path")
+    try:
+        mode = os.stat(text).st_mode
+    except FileNotFoundError:
+        if must_exist:
+            raise FileNotFoundError(f"{name}: no file at {text!r}") from None
+        return text
+    except OSError:
+        return text  # unreadable metadata: let the open itself report it
+    if stat.S_ISDIR(mode):
+        fail(name, text, "a file, not a folder", "name a file inside it, e.g. "
+             f"{os.path.join(text, 'model.ckpt')!r}")
+    if not stat.S_ISREG(mode):
+        fail(name, text, "a regular file, not a FIFO, socket or device",
+             "pass the path of a regular file")
+    return text
