@@ -155,7 +155,7 @@ class Strategy:
         if self.key not in ("a", "b", "c"):
             self.model.fit(self.it, epochs=e + 1, initial_epoch=e, devices=["cpu"], verbose=0)
             if self.key == "m20":
-                assert len(self.model._engine.mgr.groups) == len(self.it.buckets) == 20
+                assert len(self.model._replicas.manager.groups) == len(self.it.buckets) == 20
             real = self.it.num_tokens
             return real, round(real / (1 - self.it.padding_fraction))
         if self.opt is None:  # built in the first epoch, as fit builds its own

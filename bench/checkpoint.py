@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable
 
 import torch
+from fitdp.resume import training_state
 from torch import nn
 
 import fitdp
 from fitdp.executor.manager import DataParallelExecutorManager
-from fitdp.resume import training_state
 
 SAVE_TARGET = 1.10  # Model.save / bare torch.save, at most
 COPY_TARGET = 0.5  # copy_to bandwidth / memcpy bandwidth, at least

@@ -7,14 +7,13 @@ Example:
 """
 
 from fitdp import callbacks, executor
+from fitdp._version import __version__
 from fitdp.batch import DataBatch, DataDesc
 from fitdp.bucketing import BucketIterator
 from fitdp.checkpoint import CheckpointError
 from fitdp.export import load_predictor
 from fitdp.model import Model
 from fitdp.monitor import Monitor
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BucketIterator", "CheckpointError", "DataBatch", "DataDesc", "Model", "Monitor",

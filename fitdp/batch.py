@@ -103,6 +103,11 @@ class DataBatch:
         global_rows: rows of this step over every rank, when the source knows it (under
             torch.distributed the loss weights need it; without it the manager all-reduces
             the count, one more collective per step).
+        sample_weight: optional per-row loss weights (Keras's ``sample_weight``), shape
+            ``(rows,)``.
+
+    Raises:
+        TypeError, ValueError: ``pad`` is not an int in ``[0, rows]``.
 
     Example:
         >>> b = DataBatch(torch.zeros(4, 3), torch.zeros(4, dtype=torch.long))
@@ -116,6 +121,19 @@ class DataBatch:
     pad: int = 0
     index: torch.Tensor | None = None
     global_rows: int | None = None
+    sample_weight: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        pad = self.pad
+        if pad == 0 and type(pad) is int:  # the common case, checked in one comparison
+            return
+        if isinstance(pad, bool) or not isinstance(pad, int):
+            raise TypeError(f"DataBatch.pad: got {pad!r} ({type(pad).__name__}); expected an "
+                            f"int, the number of padding rows at the end of the batch")
+        rows = self.batch_size
+        if not 0 <= pad <= rows:
+            raise ValueError(f"DataBatch.pad: got {pad}; expected an int in [0, {rows}] (the "
+                             f"batch has {rows} rows). Fix: pad counts padding rows at the end.")
 
     @property
     def batch_size(self) -> int:

@@ -1,81 +1,68 @@
-"""The batch loop, written once for train / test / predict, and predict's reassembly."""
+"""The per-batch routine every call shares, and predict's reassembly of rows."""
 
 from __future__ import annotations
 
-import itertools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 
-from fitdp.batch import tree_cat, tree_map
+from fitdp.batch import DataBatch, tree_cat, tree_map
+from fitdp.callbacks import CallbackList
 from fitdp.distributed import gather_rows
 
-if TYPE_CHECKING:
-    from fitdp.callbacks import CallbackList
-    from fitdp.engine import Engine
-    from fitdp.model import Model
-    from fitdp.monitor import Monitor
+
+class Hooks(NamedTuple):
+    """The callback hooks around each batch of one kind of call."""
+
+    begin: str
+    end: str
+
+
+TRAIN = Hooks("on_train_batch_begin", "on_train_batch_end")
+TEST = Hooks("on_test_batch_begin", "on_test_batch_end")
+PREDICT = Hooks("on_predict_batch_begin", "on_predict_batch_end")
 
 
 def run_batches(
-    model: Model, engine: Engine, mode: str, source: Any, cbs: CallbackList,
-    steps: int | None = None, log_every: int = 50, monitor: Monitor | None = None,
-) -> Any:
-    """One pass over ``source``: the logs (train/test) or ``[(key, index, rows)]`` (predict).
+    batches: Iterable[DataBatch],
+    callbacks: CallbackList,
+    hooks: Hooks,
+    step: Callable[[DataBatch, int], dict[str, float]],
+    stop: Callable[[], bool],
+) -> int:
+    """For each batch: the begin hook, ``step(batch, index)``, the end hook with the logs
+    ``step`` returns; stop early when ``stop()`` says so (a callback set the call's flag).
 
-    Loss and metrics are read on the host only every ``log_every`` batches and at the end
-    (``engine.read_logs`` is the one sync); between those points batch logs are stale.
+    Returns:
+        The number of batches run.
     """
-    begin, end = f"on_{mode}_batch_begin", f"on_{mode}_batch_end"
-    sync_each = cbs.sync_every_batch
-    logs: dict[str, float] = {}
-    rows: list[tuple[int, Any, Any]] = []
-    batches = source if steps is None else itertools.islice(source, steps)
-    for step, batch in enumerate(batches):
-        if step == 0:
-            engine.check_batch(batch)
-        cbs.call(begin, step, {})
-        if monitor is not None:
-            monitor.tic()
-        if mode == "train":
-            model.global_step += engine.train_step(batch)
-        else:
-            engine.eval_step(batch, with_metrics=mode == "test")
-        if monitor is not None:
-            monitor.toc_print()
-        if mode == "predict":
-            outs = [tree_map(_to_host, o) for o in engine.manager.outputs()]
-            rows.append((step, batch.index, tree_cat(outs) if outs else None))
-        elif sync_each or (step + 1) % log_every == 0:
-            logs = engine.read_logs()  # a host sync: only at log points
-        cbs.call(end, step, logs)
-        if model.stop_training:
+    done = 0
+    for i, batch in enumerate(batches):
+        callbacks.call(hooks.begin, i, {})
+        logs = step(batch, i)
+        callbacks.call(hooks.end, i, logs)
+        done += 1
+        if stop():
             break
-    if mode == "predict":
-        return rows
-    if mode == "train":
-        model.global_step += engine.flush()
-    return engine.read_logs()
+    return done
 
 
 def assemble(rows: list[tuple[int, Any, Any]], rank: int, world_size: int) -> Any:
     """Predict's rows in input order (from every rank under torch.distributed).
 
-    A rank's step ``s`` holds global batch ``s * world_size + rank`` (round-robin sharding);
-    batches that carry sample indices (tensors, BucketIterator) are put back by index.
+    ``rows`` holds ``(step, sample indices or None, outputs)``. A rank's step ``s`` holds
+    global batch ``s * world_size + rank`` (round-robin sharding); batches that carry sample
+    indices (tensors, BucketIterator) are put back by index.
     """
     keyed = [(s * world_size + rank, i, r) for s, i, r in rows]
     if world_size > 1:
         keyed = sorted(gather_rows(keyed), key=lambda k: k[0])
     keyed = [k for k in keyed if k[2] is not None]
     if not keyed:
-        raise ValueError("data: no samples to predict on; expected at least one")
+        raise ValueError("x: got no samples to predict on; expected at least one")
     result = tree_cat([r for _, _, r in keyed])
     if all(i is not None for _, i, _ in keyed):
         order = torch.argsort(torch.cat([i for _, i, _ in keyed]))
         result = tree_map(lambda t: t[order], result)
     return result
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)

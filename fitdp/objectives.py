@@ -1,61 +1,223 @@
-"""Loss functions: the names ``compile(loss=...)`` accepts, and target checks made up front."""
+"""Losses: the forms ``compile(loss=..., loss_weights=...)`` accepts, as one objective, and the
+checks made on targets before any weight changes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-LOSSES: dict[str, Callable[[Any, Any], torch.Tensor]] = {
+from fitdp.batch import tree_leaves, tree_names
+from fitdp.validate import check_number, fail
+
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "cross_entropy": F.cross_entropy,
     "mse": F.mse_loss,
     "l1": F.l1_loss,
     "bce_with_logits": F.binary_cross_entropy_with_logits,
 }
+_FLOAT_TARGETS = ("mse", "l1", "bce_with_logits")
+LossArg = str | nn.Module | Callable[[Any, Any], torch.Tensor]
 
 
-def resolve_loss(loss: str | nn.Module | Callable[[Any, Any], torch.Tensor]) -> Callable[..., Any]:
-    """Turn ``compile(loss=...)`` into ``callable(outputs, targets) -> scalar``.
+class Loss:
+    """One loss: ``(outputs, targets) -> mean over the batch``, and, when it can, the same
+    loss per sample for sample weights."""
 
-    Raises:
-        ValueError: an unknown name.
-        TypeError: something that is not a name, a module or a callable.
+    def __init__(self, spec: LossArg, name: str) -> None:
+        self.spec, self.name = spec, name
+        if isinstance(spec, str):
+            if spec not in LOSSES:
+                fail(name, spec, f"one of {sorted(LOSSES)}, an nn.Module or a "
+                     f"callable(outputs, targets) -> scalar tensor")
+            self.fn = LOSSES[spec]
+            self.per_sample: Callable[..., torch.Tensor] | None = _no_reduction(self.fn)
+        elif callable(spec):
+            self.fn = spec
+            self.per_sample = None
+            if isinstance(spec, nn.Module) and isinstance(getattr(spec, "reduction", None), str):
+                unreduced = copy.copy(spec)
+                setattr(unreduced, "reduction", "none")  # noqa: B010 - typed as a tensor attr
+                self.per_sample = unreduced
+        else:
+            fail(name, spec, "a name such as 'cross_entropy', an nn.Module or a "
+                 "callable(outputs, targets) -> scalar tensor", error=TypeError)
+
+    def __call__(self, outputs: Any, targets: Any, weight: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        if weight is None:
+            return self.fn(outputs, targets)
+        if self.per_sample is None:
+            raise ValueError(self.no_weights_message())
+        # Keras's "sum_over_batch_size": per-sample losses (mean over any other axis) times
+        # their weights, averaged over the batch.
+        per = self.per_sample(outputs, targets)
+        per = per.reshape(per.shape[0], -1).mean(1) if per.dim() > 1 else per
+        return (per * weight.to(per.dtype)).mean()
+
+    def no_weights_message(self) -> str:
+        return (f"{self.name}: got {self.spec!r}, which only gives the batch mean; sample_weight"
+                f" and class_weight need per-sample losses. Fix: use a named loss or an "
+                f"nn.Module loss with a `reduction` attribute (e.g. nn.CrossEntropyLoss()).")
+
+    def check_targets(self, targets: Any) -> None:
+        """Target dtypes a named loss cannot use, caught before any weight changes."""
+        if not isinstance(self.spec, str) or not isinstance(targets, torch.Tensor):
+            return
+        if self.spec == "cross_entropy" and targets.is_floating_point():
+            fail(f"{self.name}='cross_entropy'",
+                 f"{targets.dtype} targets of shape {tuple(targets.shape)}",
+                 "integer class indices (torch.long)", "pass y.long(), or for soft labels "
+                 "compile with loss=torch.nn.CrossEntropyLoss()", described=True)
+        if self.spec in _FLOAT_TARGETS and not targets.is_floating_point():
+            fail(f"{self.name}={self.spec!r}", f"{targets.dtype} targets",
+                 "floating-point targets", "pass y.float()", described=True)
+
+    def label_problem(self, outputs: Any, targets: Any) -> str | None:
+        """For class-index losses: the first target outside ``[0, classes)`` (the ignore
+        index excepted), given outputs of the model; None when all are in range."""
+        ignore = None
+        if self.spec == "cross_entropy":
+            ignore = -100
+        elif isinstance(self.spec, (nn.CrossEntropyLoss, nn.NLLLoss)):
+            ignore = self.spec.ignore_index
+        if ignore is None or not isinstance(outputs, torch.Tensor):
+            return None
+        if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
+            return None
+        classes = outputs.shape[1] if outputs.dim() >= 2 else outputs.shape[0]
+        bad = ((targets < 0) & (targets != ignore)) | (targets >= classes)
+        if not bool(bad.any()):
+            return None
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        value = int(targets[where])
+        return (f"target {value} at index {where[0] if len(where) == 1 else where} is outside "
+                f"[0, {classes}) for a model with {classes} outputs (ignore index {ignore})")
+
+
+class Objective:
+    """``compile(loss=..., loss_weights=...)`` as ``(outputs, targets[, sample_weight])``.
+
+    One loss, or a list/dict of losses for a module with several outputs (matched by
+    position or key with its outputs and targets), summed with ``loss_weights``.
+
+    Example:
+        >>> obj = Objective(["mse", "l1"], loss_weights=[1.0, 0.5])
+        >>> out = (torch.zeros(2, 1), torch.zeros(2, 1))
+        >>> float(obj(out, (torch.ones(2, 1), torch.ones(2, 1))))
+        1.5
     """
-    if isinstance(loss, str):
-        if loss not in LOSSES:
-            raise ValueError(
-                f"loss: unknown name {loss!r}; expected one of {sorted(LOSSES)}, an nn.Module "
-                f"or a callable(outputs, targets) -> scalar tensor"
-            )
-        return LOSSES[loss]
-    if callable(loss):
-        return loss
-    raise TypeError(
-        f"loss: got {type(loss).__name__}; expected a name such as 'cross_entropy', an "
-        f"nn.Module or a callable(outputs, targets) -> scalar tensor"
-    )
+
+    def __init__(self, loss: LossArg | Sequence[LossArg] | Mapping[str, LossArg],
+                 loss_weights: Sequence[float] | Mapping[str, float] | None = None) -> None:
+        self.spec = loss
+        self.keys: list[Any] | None = None
+        if isinstance(loss, Mapping):
+            self.keys = list(loss)
+            self.losses = [Loss(loss[k], f"loss[{k!r}]") for k in self.keys]
+        elif isinstance(loss, (list, tuple)):
+            self.keys = list(range(len(loss)))
+            self.losses = [Loss(v, f"loss[{i}]") for i, v in enumerate(loss)]
+        else:
+            self.losses = [Loss(cast(LossArg, loss), "loss")]
+        if self.keys is not None and not self.keys:
+            fail("loss", loss, "a loss, or a non-empty list/dict of losses")
+        self.weights = _loss_weights(loss_weights, self.keys)
+        self.single = self.keys is None and self.weights is None
+
+    @property
+    def supports_sample_weight(self) -> bool:
+        return all(loss.per_sample is not None for loss in self.losses)
+
+    def no_weights_message(self) -> str:
+        return next(loss.no_weights_message() for loss in self.losses if loss.per_sample is None)
+
+    def __call__(self, outputs: Any, targets: Any, weight: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        if self.single:
+            return self.losses[0](outputs, targets, weight)
+        if self.keys is None:
+            return self.losses[0](outputs, targets, weight) * self.weights[0]  # type: ignore[index]
+        total: Any = 0.0
+        for i, (key, loss) in enumerate(zip(self.keys, self.losses)):
+            w = 1.0 if self.weights is None else self.weights[i]
+            total = total + w * loss(_pick(outputs, key, "outputs"), _pick(targets, key, "y"),
+                                     weight)
+        return total
+
+    def check_targets(self, targets: Any) -> None:
+        if self.keys is None:
+            self.losses[0].check_targets(targets)
+            return
+        for key, loss in zip(self.keys, self.losses):
+            loss.check_targets(_pick(targets, key, "y"))
+
+    def label_problem(self, outputs: Any, targets: Any) -> str | None:
+        if self.keys is None:
+            return self.losses[0].label_problem(outputs, targets)
+        for key, loss in zip(self.keys, self.losses):
+            problem = loss.label_problem(_pick(outputs, key, "outputs"), _pick(targets, key, "y"))
+            if problem:
+                return f"{loss.name}: {problem}"
+        return None
 
 
-def check_targets(loss: Any, targets: Any) -> None:
-    """Catch target dtypes that a named loss cannot use, before any weight changes.
+def _loss_weights(weights: Any, keys: list[Any] | None) -> list[float] | None:
+    if weights is None:
+        return None
+    if keys is None:
+        if isinstance(weights, (list, tuple)) and len(weights) == 1:
+            weights = weights[0]
+        return [check_number("loss_weights", weights, low=0)]
+    if isinstance(weights, Mapping):
+        if set(weights) != set(keys):
+            fail("loss_weights", sorted(weights, key=str), f"one weight per loss key {keys}",
+                 error=ValueError, described=False)
+        return [check_number(f"loss_weights[{k!r}]", weights[k], low=0) for k in keys]
+    if not isinstance(weights, (list, tuple)) or len(weights) != len(keys):
+        fail("loss_weights", weights, f"a list of {len(keys)} numbers, one per loss")
+    return [check_number(f"loss_weights[{i}]", w, low=0) for i, w in enumerate(weights)]
 
-    Raises:
-        ValueError: float targets with ``cross_entropy``, integer targets with a regression
-            or binary loss.
-    """
-    if not isinstance(loss, str) or not isinstance(targets, torch.Tensor):
-        return
-    if loss == "cross_entropy" and targets.is_floating_point():
-        raise ValueError(
-            f"loss='cross_entropy': got {targets.dtype} targets of shape "
-            f"{tuple(targets.shape)}; expected integer class indices (torch.long). Fix: "
-            f"pass y.long(), or for soft labels compile with loss=torch.nn.CrossEntropyLoss()."
-        )
-    if loss in ("mse", "l1", "bce_with_logits") and not targets.is_floating_point():
-        raise ValueError(
-            f"loss={loss!r}: got {targets.dtype} targets; expected floating-point targets. "
-            f"Fix: pass y.float()."
-        )
+
+def _pick(tree: Any, key: Any, name: str) -> Any:
+    try:
+        return tree[key]
+    except (KeyError, IndexError, TypeError):
+        fail(name, f"{type(tree).__name__} without entry {key!r}",
+             "one entry per loss (a tuple/list or dict of the module's outputs and targets)",
+             "make the module return, and y hold, one entry per loss", described=True)
+
+
+def _no_reduction(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return lambda outputs, targets: fn(outputs, targets, reduction="none")
+
+
+def explain_failure(err: Exception, batch: Any, origin: str) -> Exception:
+    """``err`` from the module or loss on a call's first batch, with context: where the batch
+    came from, its shapes and dtypes and the likely fix; ``err`` stays the cause."""
+    def describe(tree: Any, prefix: str) -> str:
+        return ", ".join(f"{n} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                         for n, t in zip(tree_names(tree, prefix), tree_leaves(tree))) or "none"
+
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    hint = "check that the data matches what the module's forward and the loss expect"
+    ints = [t for t in tree_leaves(batch.data) if not t.is_floating_point()]
+    if ints and ("dtype" in text or "scalar type" in text or "Long" in text):
+        hint = ("the inputs are integers but the layer computes in floats: pass x.float() "
+                "(integer inputs are for embeddings)")
+    elif "shapes cannot be multiplied" in text or "size mismatch" in text:
+        hint = "the inputs' last dimension does not match the first layer's in_features"
+    elif "out of bounds" in text or "Target" in text:
+        hint = "the targets do not match the model's outputs (class indices < number of outputs)"
+    message = (f"{origin}: the module's forward or the loss failed on the first batch: "
+               f"{type(err).__name__}: {text}. The batch came from {origin}: inputs "
+               f"{describe(batch.data, 'x')}; targets {describe(batch.label, 'y')}. "
+               f"Likely fix: {hint}.")
+    try:
+        return type(err)(message)
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        return RuntimeError(message)

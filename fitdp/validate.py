@@ -15,6 +15,10 @@ from collections.abc import Collection
 from typing import Any, NoReturn
 
 
+class FitdpWarning(UserWarning):
+    """The class of every warning fitdp gives (a UserWarning: users' filters catch it)."""
+
+
 def describe(value: Any) -> str:
     """A short description of a received value for messages: its repr and, for non-numbers,
     its type (``'5' (str)``)."""

@@ -188,7 +188,7 @@ def test_no_warning_when_the_default_bucket_is_the_largest(caplog):
             it = fitdp.BucketIterator(seqs, labels, batch_size, buckets=[4, 8, 16], seed=0)
             model.fit(it, epochs=2, devices=CPU2, verbose=0)
     assert bucket_warnings(caplog) == []
-    assert sorted(model._engine.mgr.groups) == [4, 8, 16]
+    assert sorted(model._replicas.manager.groups) == [4, 8, 16]
 
 
 # -- training equals a single-device loop; every sample once; predict order ---------------------
@@ -221,7 +221,7 @@ def test_bucketed_fit_matches_single_device_loop_over_the_same_batches():
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9),
                   loss="cross_entropy")
     model.fit(make_iter(), epochs=2, devices=CPU2, verbose=0)
-    assert sorted(model._engine.mgr.groups) == [5, 10, 20]
+    assert sorted(model._replicas.manager.groups) == [5, 10, 20]
     for (name, p), q in zip(model.module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 

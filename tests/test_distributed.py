@@ -133,7 +133,7 @@ def test_digits_example_under_torchrun(tmp_path):
 def test_two_rank_checkpoint_resumes_in_one_process(tmp_path):
     code, output, _ = launch("stop_with_checkpoint", tmp_path)
     assert code == 0, output
-    assert torch.load(tmp_path / "c.ckpt", weights_only=True)["global_step"] == 5
+    assert torch.load(tmp_path / "c.ckpt", weights_only=True)["run"]["global_step"] == 5
 
     def one_process(resume=None) -> fitdp.Model:
         torch.manual_seed(0)

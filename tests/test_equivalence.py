@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 import fitdp
+from fitdp.batch import DataBatch
+from fitdp.executor import DataParallelExecutorManager
 
 DEVICE_SETUPS = [
     (["cpu"], None),
@@ -125,20 +127,25 @@ def test_grad_clip_norm_matches_torch_clip():
 
 
 def test_batchnorm_replicas_and_copy_to_mean():
+    """Each replica's BatchNorm statistics follow its own slice; copy_to averages them (the
+    seed's semantics), and sync_buffers gives every replica that average."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    mgr = DataParallelExecutorManager(net, ["cpu", "cpu"], loss=nn.functional.cross_entropy)
     x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
-    model = fitdp.Model(net)
-    model.compile(optimizer="sgd", loss="cross_entropy")
-    model.fit(x, y, batch_size=16, devices=["cpu", "cpu"], verbose=0)
-    mgr = model._engine.manager
+    mgr.load_data_batch(DataBatch(x, y))
+    mgr.forward(is_train=True)
     idx = mgr.aux_names.index("1.running_mean")
     replicas = mgr.aux_arrays[idx]
     assert not torch.equal(replicas[0], replicas[1])  # each replica saw its own half
     target = {"1.running_mean": torch.empty(8, dtype=torch.float64)}
     mgr.copy_to({}, target)
-    torch.testing.assert_close(target["1.running_mean"], ((replicas[0] + replicas[1]) / 2).double())
-    torch.testing.assert_close(net[1].running_mean, (replicas[0] + replicas[1]) / 2)
+    mean = (replicas[0] + replicas[1]) / 2
+    torch.testing.assert_close(target["1.running_mean"], mean.double())
+    mgr.sync_buffers()
+    assert torch.equal(replicas[0], replicas[1])
+    torch.testing.assert_close(replicas[0], mean)
+    mgr.close()
 
 
 def test_bf16_mixed_trains_close_to_fp32():

@@ -53,7 +53,7 @@ FIT_CASES = [
     ("empty data set", dict(data=X[:0], y=Y[:0]), ValueError, ["0 samples"]),
     ("bad device entry", dict(data=X, y=Y, devices=[1.5]), TypeError, ["devices", "float"]),
     ("batch_size not an int", dict(data=X, y=Y, batch_size=8.0), TypeError, ["batch_size"]),
-    ("unknown data type", dict(data="abc", y=Y), TypeError, ["data", "str"]),
+    ("unknown data type", dict(x="abc", y=Y), TypeError, ["x", "str"]),
     ("callback not a Callback", dict(data=X, y=Y, callbacks=[print]), TypeError, ["callbacks"]),
 ]
 
@@ -62,7 +62,7 @@ FIT_CASES = [
 def test_fit_bad_input(name, kwargs, exc, words):
     model = make_model()
     before = {k: v.clone() for k, v in model.module.state_dict().items()}
-    data = kwargs.pop("data")
+    data = kwargs.pop("x") if "x" in kwargs else kwargs.pop("data")
     y = kwargs.pop("y")
     with pytest.raises(exc) as info:
         model.fit(data, y, verbose=0, **kwargs)
@@ -129,9 +129,8 @@ def test_module_must_be_a_module():
 
 def test_optimizer_instance_on_other_parameters():
     model = fitdp.Model(nn.Linear(4, 3))
-    model.compile(optimizer=torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1))
     with pytest.raises(ValueError, match="model.module.parameters"):
-        model.fit(X, Y, verbose=0)
+        model.compile(optimizer=torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1))
 
 
 def test_split_input_slice_too_many_slices():
@@ -162,11 +161,9 @@ def test_one_shot_generator_with_several_epochs():
 
 
 def test_sync_batchnorm_needs_cuda():
-    from fitdp.engine import Engine
+    from fitdp.replicas import _convert_sync_batchnorm
 
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
-    model = fitdp.Model(net)
-    model.compile(optimizer="sgd", sync_batchnorm=True)
     with pytest.raises(ValueError, match="SyncBatchNorm runs on CUDA only"):
-        Engine._convert_sync_batchnorm(model._engine, [torch.device("cpu")])
+        _convert_sync_batchnorm(net, [torch.device("cpu")])
     assert isinstance(net[1], nn.BatchNorm1d)  # untouched

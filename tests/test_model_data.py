@@ -50,7 +50,7 @@ def test_every_sample_once_per_epoch(devices):
     model.compile(optimizer="sgd", loss="cross_entropy")
     model.fit(x, y, batch_size=8, epochs=2, devices=devices, verbose=0, seed=3)
     # replicas are copies with several devices: gather what every replica saw
-    mgr = model._engine.manager
+    mgr = model._replicas.manager
     seen = sum((ex.module.seen for ex in mgr.execgrp.executors), [])
     assert sorted(seen) == sorted(list(range(47)) * 2)
     first_epoch_order = net.seen[:8] if len(devices) == 1 else None
@@ -77,7 +77,7 @@ def test_metric_dict_keys_and_history_per_epoch():
     model = compiled(metrics={"acc": MulticlassAccuracy(num_classes=3)})
     h = model.fit(x, y, epochs=3, batch_size=16, devices=["cpu", "cpu"], validation_data=(x, y),
                   verbose=0)
-    assert set(h.history) == {"loss", "acc", "val_loss", "val_acc"}
+    assert set(h.history) == {"loss", "acc", "val_loss", "val_acc", "lr"}
     assert all(len(v) == 3 for v in h.history.values())
     assert h.epoch == [0, 1, 2]
     assert h.history["loss"][-1] < h.history["loss"][0]

@@ -228,6 +228,18 @@ class CallbackList:
             if hasattr(cb, "set_params"):
                 cb.set_params(self._params)
 
+    def state_dict(self) -> dict[str, Any]:
+        """TEMPORARY (replaced by the callbacks branch): states keyed by class and position."""
+        states = {f"{type(cb).__name__}:{i}": cb.state_dict() for i, cb in
+                  enumerate(self.callbacks) if callable(getattr(cb, "state_dict", None))}
+        return {k: v for k, v in states.items() if isinstance(v, dict) and v}
+
+    def load_state_dict(self, states: dict[str, Any]) -> None:
+        for i, cb in enumerate(self.callbacks):
+            key = f"{type(cb).__name__}:{i}"
+            if key in states and hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(states[key])
+
     @property
     def sync_every_batch(self) -> bool:
         """True when some callback needs the exact loss after every batch."""

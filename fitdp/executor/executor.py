@@ -14,7 +14,9 @@ from torch import nn
 
 from fitdp.batch import tree_leaves, tree_map, tree_names
 
-LossFn = Callable[[Any, Any], torch.Tensor]
+# (outputs, targets) -> scalar mean loss; called (outputs, targets, sample_weight) when the
+# batch carries per-sample weights.
+LossFn = Callable[..., torch.Tensor]
 _NULL = contextlib.nullcontext()  # reusable: entering it has no state
 
 # Dynamo (torch.compile) keeps its graphs in a cache per code object, and that cache is not
@@ -94,6 +96,7 @@ class Executor:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.inputs: Any = None
         self.labels: Any = None
+        self.weights: torch.Tensor | None = None
         self.rows = 0
         self.valid = 0
         self.outputs: Any = None
@@ -123,11 +126,13 @@ class Executor:
         self._buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
         self.grown.clear()  # asked for, not a bucket outgrowing its buffer: no warning
 
-    def load(self, data: Any, label: Any, valid: int) -> None:
-        """Copy this device's slice of the batch into the input buffers (non-blocking)."""
+    def load(self, data: Any, label: Any, valid: int, weight: torch.Tensor | None = None) -> None:
+        """Copy this device's slice of the batch (and its per-sample loss weights, if any)
+        into the input buffers (non-blocking)."""
         with self.stream_context():
             self.inputs = self._stage(data, "data")
             self.labels = None if label is None else self._stage(label, "label")
+            self.weights = None if weight is None else self._stage(weight, "weight")
         self.rows = int(data.shape[0]) if isinstance(data, torch.Tensor) else _rows(self.inputs)
         self.valid = valid
 
@@ -164,10 +169,11 @@ class Executor:
             outputs = self._call(is_train, autocast_dtype)
             self.outputs = outputs
             if loss_fn is not None and self.labels is not None and self.valid > 0:
-                out, lab = outputs, self.labels
+                out, lab, w = outputs, self.labels, self.weights
                 if self.valid < self.rows:
                     out, lab = self.valid_rows(outputs), self.valid_rows(lab)
-                loss = loss_fn(out, lab)
+                    w = None if w is None else w[: self.valid]
+                loss = loss_fn(out, lab) if w is None else loss_fn(out, lab, w)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
                     raise ValueError(

@@ -15,6 +15,10 @@ from fitdp.batch import DataBatch, tree_map
 from fitdp.executor.executor import Executor, LossFn
 from fitdp.executor.workers import DeviceWorkers
 
+# Layers that draw from the generator in training: their CPU replicas run forward in turn.
+_RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                  nn.FeatureAlphaDropout, nn.RReLU)
+
 
 class DataParallelExecutorGroup:
     """The executors of one bucket, one per device, run concurrently by ``workers``.
@@ -54,10 +58,13 @@ class DataParallelExecutorGroup:
             for m, d, b in zip(modules, devices, shared_buffers)
         ]
         named = [dict(m.named_parameters()) for m in modules]
-        self.param_names = [n for n, p in modules[0].named_parameters() if p.requires_grad]
+        # Every parameter, frozen ones too: they are replicated, averaged and saved like
+        # buffers; only the trainable ones get gradients and optimizer steps.
+        self.param_names = list(named[0])
         self.param_arrays: list[list[nn.Parameter]] = [
             [params[n] for params in named] for n in self.param_names
         ]
+        self.stochastic: bool | None = None  # does a training forward draw random numbers?
         buffers = [dict(m.named_buffers()) for m in modules]
         self.aux_names = list(buffers[0])
         self.aux_arrays = [[b[n] for b in buffers] for n in self.aux_names]
@@ -75,14 +82,15 @@ class DataParallelExecutorGroup:
         self.slices = slices
         valid_end = batch.batch_size - batch.pad
         if len(slices) == 1:
-            self.executors[0].load(batch.data, batch.label, valid_end)
+            self.executors[0].load(batch.data, batch.label, valid_end, batch.sample_weight)
             self._warn_grown()
             return
         for ex, sl in zip(self.executors, slices):
             valid = max(0, min(sl.stop, valid_end) - sl.start)
             take = operator.itemgetter(sl)
             label = None if batch.label is None else tree_map(take, batch.label)
-            ex.load(tree_map(take, batch.data), label, valid)
+            weight = None if batch.sample_weight is None else batch.sample_weight[sl]
+            ex.load(tree_map(take, batch.data), label, valid, weight)
         self._warn_grown()
 
     def _warn_grown(self) -> None:
@@ -115,7 +123,35 @@ class DataParallelExecutorGroup:
                 ex.module.train(is_train)
         denom = total_rows.clamp(min=1) if isinstance(total_rows, torch.Tensor) else float(
             max(total_rows, 1))
-        self._run(lambda ex: ex.forward(is_train, loss_fn, ex.valid / denom, autocast_dtype))
+
+        def task(ex: Executor) -> None:
+            ex.forward(is_train, loss_fn, ex.valid / denom, autocast_dtype)
+
+        if is_train and self._draws_in_turn():
+            before = torch.get_rng_state() if self.stochastic is None else None
+            for ex in self.executors:
+                task(ex)
+            if before is not None:  # the probe: did that forward draw random numbers?
+                self.stochastic = not torch.equal(before, torch.get_rng_state())
+        else:
+            self._run(task)
+
+    def _draws_in_turn(self) -> bool:
+        """Whether training forwards must run one after another, in device order.
+
+        CPU replicas share torch's one CPU generator: run at once, their dropout masks depend
+        on which thread draws first, and a seeded run is not reproducible. So a module that
+        draws random numbers runs its CPU replicas' forwards in device order (backward stays
+        concurrent); one that never draws keeps them concurrent. Decided once per group: by
+        its layers, or else by whether its first training forward (run in turn) moved the
+        generator (``stochastic`` stays None until then).
+        """
+        if self.stochastic is None:
+            if sum(ex.device.type == "cpu" for ex in self.executors) < 2:
+                self.stochastic = False
+            elif any(isinstance(m, _RANDOM_LAYERS) for m in self.executors[0].module.modules()):
+                self.stochastic = True
+        return self.stochastic is not False
 
     def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Backward on every replica, at once."""

@@ -12,20 +12,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fitdp.batch import DataBatch, tree_map
+from fitdp.batch import DataBatch, tree_leaves, tree_map
 from fitdp.devices import DevicesArg, resolve_devices
+from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.executor import LossFn
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.reduce import FlatBuckets
 from fitdp.executor.sharing import check_unique_names, share_by_name
 from fitdp.executor.slicing import check_work_load_list, split_input_slice
+from fitdp.executor.step import OptimizerStepMixin, ShardedStep
 from fitdp.executor.workers import DeviceWorkers
 
 # Parameters or buffers: names, their ``[name][device]`` tensors, and the caller's by name.
 _Named = tuple[list[str], Sequence[Sequence[torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
-class DataParallelExecutorManager:
+class DataParallelExecutorManager(OptimizerStepMixin):
     """Run one module data-parallel over several devices, with bucketing.
 
     Keeps a persistent replica per device, splits each batch by the work load list, runs the
@@ -92,8 +94,14 @@ class DataParallelExecutorManager:
         self.execgrp = self._group(replicas, default_bucket_key)
         self.groups: dict[Hashable, DataParallelExecutorGroup] = {default_bucket_key: self.execgrp}
         self.curr_execgrp = self.execgrp
-        params = [[row[d] for row in self.execgrp.param_arrays] for d in range(len(self.devices))]
-        self.flat = FlatBuckets(params) if len(self.devices) > 1 or distributed else None
+        # Gradients (flat buckets) for the trainable parameters only: frozen ones are kept
+        # equal on every replica like buffers, and never stepped.
+        self.trainable = [block[0].requires_grad for block in self.execgrp.param_arrays]
+        params = [[row[d] for row, on in zip(self.execgrp.param_arrays, self.trainable) if on]
+                  for d in range(len(self.devices))]
+        several = len(self.devices) > 1 or distributed
+        self.flat = FlatBuckets(params) if several and params[0] else None
+        self._sharded: ShardedStep | None = None
         self._slices: dict[int, list[slice]] = {}
         self.logger.debug("fitdp: data parallel on %s", self.devices)
 
@@ -129,6 +137,7 @@ class DataParallelExecutorManager:
 
         A batch without a bucket key (e.g. validation tensors next to bucketed training data)
         runs the default bucket, as does every batch without ``bucket_module``."""
+        _check_rows(data_batch)
         key = data_batch.bucket_key
         if self.bucket_module is None or key is None:
             key = self.default_bucket_key
@@ -175,13 +184,6 @@ class DataParallelExecutorManager:
         self.curr_execgrp.backward(scale)
         if reduce:
             self.reduce_gradients()
-
-    def reduce_gradients(self) -> None:
-        """Sum every device's gradients into device 0's (then across ranks)."""
-        if self.flat is not None:
-            self.flat.reduce_local()
-            if self.distributed:
-                self.flat.reduce_global(None)
 
     def update_metric(self, metric: Any, labels: Any = None) -> None:
         """Update ``metric`` per device slice.
@@ -241,7 +243,7 @@ class DataParallelExecutorManager:
         self, arg_params: Mapping[str, torch.Tensor], aux_params: Mapping[str, torch.Tensor]
     ) -> None:
         """Average every parameter and buffer over devices into the caller's tensors, in place
-        (cast to each target's dtype)."""
+        (cast to each target's dtype); replicas that agree give their values bit for bit."""
         blocks: tuple[_Named, _Named] = (
             (self.param_names, self.param_arrays, arg_params),
             (self.aux_names, self.aux_arrays, aux_params),
@@ -249,25 +251,18 @@ class DataParallelExecutorManager:
         for names, arrays, dst in blocks:
             for name, block in zip(names, arrays):
                 if name in dst:
-                    _average_into(dst[name], block)
+                    average_into(dst[name], block)
+
+    def sync_buffers(self) -> None:
+        """Average every floating buffer (BatchNorm running statistics) over the devices, and
+        over the ranks under torch.distributed, into every replica.
+
+        Each replica updates its running statistics from its own slice; after this call
+        every replica holds what ``copy_to`` saves, so validation, checkpoint selection and
+        the saved model all see the same statistics."""
+        average_replicas(self.aux_arrays, distributed=self.distributed)
 
     # -- what Model needs beyond the seed ------------------------------------------------
-
-    def master_parameters(self) -> list[nn.Parameter]:
-        """Device 0's trainable parameters: the optimizer steps these."""
-        return [row[0] for row in self.param_arrays]
-
-    def zero_grad(self) -> None:
-        if self.flat is not None:
-            self.flat.zero_grad()
-        else:
-            for p in self.master_parameters():
-                p.grad = None
-
-    def sync_params(self) -> None:
-        """After an optimizer step on device 0, copy its parameters to every other device."""
-        if self.flat is not None:
-            self.flat.broadcast_params()
 
     def outputs(self) -> list[Any]:
         """The current batch's outputs per device (padding removed; empty slices left out)."""
@@ -295,7 +290,8 @@ class DataParallelExecutorManager:
                 ex.reserve(desc.name, (s.stop - s.start, *desc.shape[1:]), desc.dtype)
 
     def close(self) -> None:
-        """Stop the device threads."""
+        """Stop the device threads (idempotent; they also stop when the manager is
+        garbage-collected)."""
         self.workers.close()
 
     # -- internals -------------------------------------------------------------------------
@@ -374,14 +370,15 @@ def _hashable(key: Any) -> bool:
     return True
 
 
-def _average_into(dst: torch.Tensor, block: Sequence[torch.Tensor]) -> None:
-    with torch.no_grad():
-        srcs = [t.to(dst.device, non_blocking=True) for t in block]
-        if len(srcs) == 1:
-            dst.copy_(srcs[0])
-        elif not srcs[0].is_floating_point():
-            dst.copy_(torch.stack(srcs).sum(0).div(len(srcs), rounding_mode="floor"))
-        elif len(srcs) == 2 and srcs[0].dtype == dst.dtype:
-            torch.lerp(srcs[0], srcs[1], 0.5, out=dst)  # one pass over memory
-        else:
-            dst.copy_(torch.stack(srcs).mean(0))
+
+def _check_rows(batch: DataBatch) -> None:
+    """Labels and sample weights must have one row per sample of the data."""
+    rows = batch.batch_size
+    for name, tree in (("label", batch.label), ("sample_weight", batch.sample_weight)):
+        for leaf in tree_leaves(tree):
+            if leaf.dim() == 0 or leaf.shape[0] != rows:
+                got = leaf.shape[0] if leaf.dim() else "a scalar"
+                raise ValueError(
+                    f"DataBatch.{name}: got {got} rows for data of {rows} rows; expected one "
+                    f"{name} row per sample. Fix: pass data and {name} of the same length."
+                )

@@ -77,10 +77,13 @@ class FlatBuckets:
                 g.zero_()
 
     def reduce_local(self) -> None:
-        """Sum every device's gradient buckets into device 0's."""
+        """Move every device's gradient buckets into device 0's: add, then zero the source,
+        so each backward is counted once however often backward and reduce are called
+        between two ``zero_grad`` (the seed's gradients accumulate the same way)."""
         for d in range(1, len(self.grad_flat)):
             for acc, g in zip(self.grad_flat[0], self.grad_flat[d]):
                 acc.add_(g.to(acc.device, non_blocking=True))
+                g.zero_()
 
     def reduce_global(self, group: dist.ProcessGroup | None) -> None:
         """All-reduce (sum) device 0's gradient buckets across the ranks of ``group``."""

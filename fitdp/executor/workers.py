@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -13,7 +14,8 @@ class DeviceWorkers:
     """Runs one task per device concurrently: task 0 on the caller, task d on worker thread d.
 
     Workers are persistent (started once, reused every step), because starting threads per
-    step would cost more than a small model's whole step.
+    step would cost more than a small model's whole step. They stop on ``close()`` or when
+    this object is garbage-collected (the threads hold only their queues, never this object).
 
     Example:
         >>> w = DeviceWorkers(2)
@@ -31,12 +33,20 @@ class DeviceWorkers:
             t.start()
             self._queues.append(q)
             self._threads.append(t)
+        self._finalizer = weakref.finalize(self, _stop, self._queues, self._threads, 0.0)
+
+    @property
+    def alive(self) -> int:
+        """Worker threads still running (0 after ``close``)."""
+        return sum(t.is_alive() for t in self._threads)
 
     def run(self, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
         """Run ``tasks[d]`` for every device d at once; return their results in order.
 
-        Raises the first task's exception (by device order) after every task has finished,
-        so no worker is left running on half-updated state.
+        Every task has finished before this returns or raises, whatever happens: the first
+        exception by device order is raised after all of them end, and a KeyboardInterrupt
+        that arrives while waiting is raised only once every worker is done, so no worker is
+        ever left running on state the caller is about to roll back.
         """
         if len(tasks) == 1:
             return [tasks[0]()]
@@ -50,23 +60,35 @@ class DeviceWorkers:
             first.set_result(tasks[0]())
         except BaseException as err:  # noqa: BLE001 - re-raised below, after the others finish
             first.set_exception(err)
-        results = []
+        interrupted: BaseException | None = None
+        for fut in futures:
+            while True:
+                try:
+                    fut.exception()  # waits for the task
+                    break
+                except KeyboardInterrupt as err:  # keep waiting: raise once all are done
+                    interrupted = interrupted or err
+        if interrupted is not None:
+            raise interrupted
         for fut in [first, *futures]:
             exc = fut.exception()
             if exc is not None:
-                for other in futures:
-                    other.exception()
                 raise exc
-            results.append(fut.result())
-        return results
+        return [fut.result() for fut in [first, *futures]]
 
     def close(self) -> None:
-        """Stop the worker threads."""
-        for q in self._queues:
-            q.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
-        self._queues, self._threads = [], []
+        """Stop the worker threads and wait for them (idempotent)."""
+        if self._finalizer.detach() is not None:
+            _stop(self._queues, self._threads)
+
+
+def _stop(queues: list[queue.SimpleQueue[Any]], threads: list[threading.Thread],
+          timeout: float = 10.0) -> None:
+    for q in queues:
+        q.put(None)
+    if timeout:
+        for t in threads:
+            t.join(timeout=timeout)
 
 
 def _serve(q: queue.SimpleQueue[Any]) -> None:
@@ -79,3 +101,4 @@ def _serve(q: queue.SimpleQueue[Any]) -> None:
             fut.set_result(task())
         except BaseException as err:  # noqa: BLE001 - handed to the caller through the future
             fut.set_exception(err)
+        del task, fut, item  # drop references to the step's tensors while idle

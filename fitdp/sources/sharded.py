@@ -6,6 +6,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fitdp.batch import DataBatch, tree_map
+from fitdp.sources.protocol import DataSource, SourcePlan
+from fitdp.validate import fail
 
 
 class ShardedSource:
@@ -13,31 +15,39 @@ class ShardedSource:
 
     Every rank runs ``ceil(batches / W)`` steps; a rank with no batch left in the last step
     gets an empty one, so no rank waits in a collective for a peer that has stopped.
+
+    Raises:
+        ValueError: the source does not know its number of batches.
+
+    Example:
+        >>> from fitdp.sources.loaders import LoaderSource
+        >>> import torch
+        >>> src = LoaderSource([(torch.zeros(2, 1), torch.zeros(2))] * 3)
+        >>> ShardedSource(src, rank=1, world_size=2).num_batches
+        2
     """
 
-    def __init__(self, source: Any, rank: int, world_size: int) -> None:
+    def __init__(self, source: DataSource, rank: int, world_size: int) -> None:
         self.source = source
         self.rank, self.world_size = rank, world_size
-        self.num_samples = getattr(source, "num_samples", None)
         self.steps_done = 0
-        try:
-            self.steps = -(-len(source) // world_size)
-        except TypeError:
-            raise ValueError(
-                f"data: under torch.distributed fitdp must know how many batches each rank "
-                f"gets, but {type(source).__name__} has no len(). Fix: pass a DataLoader, a "
-                f"Dataset, tensors or a BucketIterator."
-            ) from None
+        batches = source.num_batches
+        if batches is None:
+            fail("x", type(source).__name__, "data whose number of batches is known under "
+                 "torch.distributed (each rank must run as many steps as the others)",
+                 "pass a DataLoader, a Dataset, tensors or a BucketIterator, or shard the data "
+                 "yourself", error=ValueError, described=True)
+        self.steps = -(-batches // world_size)
 
-    def __len__(self) -> int:
+    @property
+    def num_batches(self) -> int:
         return self.steps
 
-    def __getattr__(self, name: str) -> Any:  # default_bucket_key, provide_data, ...
-        return getattr(self.source, name)
+    def plan(self) -> SourcePlan:
+        return self.source.plan()
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch != getattr(self.source, "epoch", epoch):
-            self.steps_done = 0
+        self.steps_done = 0
         self.source.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[DataBatch]:
@@ -53,7 +63,6 @@ class ShardedSource:
             while self.steps_done < self.steps:
                 self.steps_done += 1
                 yield empty
-        self.steps_done = 0
 
     def state_dict(self) -> dict[str, Any]:
         # Every rank resumes at the start of the round it was in, whichever rank saved.
@@ -61,4 +70,4 @@ class ShardedSource:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.source.load_state_dict(state)
-        self.steps_done = state["position"] // self.world_size
+        self.steps_done = int(state["position"]) // self.world_size

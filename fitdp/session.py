@@ -1,0 +1,366 @@
+"""One call on a model's replicas: its steps, logs and data position, rolled back on failure.
+
+``Model.fit``/``evaluate``/``predict`` open a ``Session`` for the length of the call. It
+owns what only lives that long (the latest logs, the data position of the last optimizer
+step, the first-batch checks) and changes the model's lasting state only through the
+``RunState``, the trainer's optimizer and the replicas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fitdp.batch import DataBatch, tree_cat, tree_leaves, tree_map, tree_structure
+from fitdp.callbacks import CallbackList
+from fitdp.distributed import all_reduce_sum
+from fitdp.executor.interrupts import GUARD
+from fitdp.loop import PREDICT, TEST, TRAIN, assemble, run_batches
+from fitdp.monitor import Monitor
+from fitdp.objectives import explain_failure
+from fitdp.persist import Entry
+from fitdp.plans import CallPlan, FitPlan
+from fitdp.replicas import Replicas
+from fitdp.run_state import RunState
+from fitdp.sources import DataSource
+from fitdp.trainer import Trainer
+from fitdp.validate import FitdpWarning, fail
+
+_FITDP_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class Session:
+    """The steps of one call (see the module docstring).
+
+    Args:
+        trainer: the compiled setup (None: predict without compile).
+        replicas: the manager and metric clones the call runs on.
+        run: the model's run state.
+        plan: the call's checked arguments.
+    """
+
+    def __init__(self, trainer: Trainer | None, replicas: Replicas, run: RunState,
+                 plan: CallPlan) -> None:
+        self.trainer, self.replicas, self.run, self.plan = trainer, replicas, run, plan
+        self.mgr = replicas.manager
+        self.metrics = replicas.metrics
+        self.logs: dict[str, float] = {}
+        self.log_every = plan.log_every if isinstance(plan, FitPlan) else 50
+        self.monitor: Monitor | None = plan.monitor if isinstance(plan, FitPlan) else None
+        # Exact batch logs every batch only where reading them costs no device sync, and
+        # decided alike on every rank (a read is a collective under torch.distributed).
+        cpu = all(d.type == "cpu" for d in replicas.placement.devices)
+        cbs = plan.callbacks
+        self.exact_logs = cbs.sync_every_batch or (
+            cpu and not plan.info.enabled and getattr(cbs, "needs_batch_logs", True))
+        self.data_state: dict[str, Any] | None = None  # train source at the last step
+        self.checked = False  # the first batch's checks are done
+        if self.monitor is not None:
+            self.mgr.install_monitor(self.monitor)
+
+    # -- fit ----------------------------------------------------------------------------
+
+    def start_fit(self) -> None:
+        """Put the training data at the start of the run (a resume then loads over it)."""
+        plan = self.plan
+        plan.source.set_epoch(self.run.data_epoch)
+        self.data_state = plan.source.state_dict()
+
+    def train_epoch(self) -> dict[str, float]:
+        """Train one epoch (``steps_per_epoch`` batches, or the data's); return its logs."""
+        run, plan = self.run, self.plan
+        assert isinstance(plan, FitPlan)  # noqa: S101 - start_fit ran
+        if plan.steps is None and run.batch == 0:
+            plan.source.set_epoch(run.epoch)
+            run.data_epoch = run.epoch
+            self.data_state = plan.source.state_dict()
+        self.reset_logs()
+        run_batches(self._epoch_batches(), plan.callbacks, TRAIN, self.train_step,
+                    lambda: run.stop_training)
+        if run.micro_step:  # the epoch's last batches, fewer than grad_accum_steps
+            with GUARD.critical():
+                self._optimizer_step()
+        logs = self.read_logs()
+        self.mgr.sync_buffers()  # every replica (and the saved model) gets the same BN stats
+        return logs
+
+    def _epoch_batches(self) -> Iterator[DataBatch]:
+        """This epoch's batches: the rest of the data, or the next ``steps_per_epoch``
+        batches of a stream that starts the data's next epoch when one ends (Keras)."""
+        run, plan = self.run, self.plan
+        assert isinstance(plan, FitPlan)  # noqa: S101
+        if plan.steps is None:
+            yield from plan.source
+            return
+        left, fresh = plan.steps - run.batch, False
+        while left > 0:
+            got = 0
+            for batch in itertools.islice(plan.source, left):
+                got += 1
+                yield batch
+            left -= got
+            if left > 0:
+                if fresh and got == 0:  # a new pass of the data yielded nothing
+                    warnings.warn(
+                        "x: the data ran out before steps_per_epoch batches, and training "
+                        "stops (Keras does the same). Fix: make it yield at least "
+                        "steps_per_epoch * epochs batches (an endless generator does).",
+                        FitdpWarning, stacklevel=2)
+                    run.stop_training = True
+                    return
+                run.data_epoch += 1
+                plan.source.set_epoch(run.data_epoch)
+                fresh = True
+
+    def train_step(self, batch: DataBatch, index: int) -> dict[str, float]:
+        """Forward and backward of one batch; an optimizer step every ``grad_accum_steps``
+        batches. Runs whole: a Ctrl-C during it is raised after it."""
+        trainer, run = self.trainer, self.run
+        assert trainer is not None  # noqa: S101 - fit needs compile
+        with GUARD.critical():
+            if self.monitor is not None:
+                self.monitor.tic()
+            if run.micro_step == 0:
+                # Zeroed here, not after the step: gradients stay readable until the next
+                # step begins (monitors, callbacks).
+                self.mgr.zero_grad()
+            self._run(batch, is_train=True)
+            if not self.checked:
+                self._first_batch_checks(batch)
+            run.micro_step += 1
+            if run.micro_step >= trainer.config.grad_accum_steps:
+                self._optimizer_step()
+            if self.monitor is not None:
+                self.monitor.toc_print()
+        return self._batch_logs(index)
+
+    def _optimizer_step(self) -> None:
+        trainer, run = self.trainer, self.run
+        assert trainer is not None  # noqa: S101
+        self.mgr.step(trainer.optimizer, scaler=trainer.scaler,
+                      clip_norm=trainer.config.grad_clip_norm)
+        trainer.step_scheduler("step")
+        run.stepped(run.micro_step)
+        self.data_state = self.plan.source.state_dict()
+
+    def end_epoch(self, logs: dict[str, float]) -> None:
+        """Record the rate this epoch trained with, then step a per-epoch scheduler."""
+        assert self.trainer is not None  # noqa: S101
+        lr = self.trainer.learning_rate
+        if lr is not None:
+            logs["lr"] = lr
+        self.trainer.step_scheduler("epoch")
+        self.run.epoch_done = True
+
+    # -- evaluate and predict -----------------------------------------------------------
+
+    def test_pass(self, source: DataSource, callbacks: CallbackList, steps: int | None
+                  ) -> dict[str, float]:
+        """Loss and metrics over ``source`` from its start (``steps`` batches at most)."""
+        self.run.stop_evaluating = False
+        self.reset_logs()
+        source.set_epoch(0)
+        callbacks.call("on_test_begin", {})
+
+        def step(batch: DataBatch, index: int) -> dict[str, float]:
+            self._run(batch, is_train=False)
+            if not self.checked:
+                self._first_batch_checks(batch)
+            return self._batch_logs(index)
+
+        run_batches(itertools.islice(source, steps), callbacks, TEST, step,
+                    lambda: self.run.stop_evaluating)
+        logs = self.read_logs()
+        callbacks.call("on_test_end", logs)
+        return logs
+
+    def predict_pass(self, source: DataSource, callbacks: CallbackList, steps: int | None
+                     ) -> Any:
+        """Outputs for every sample of ``source``, in input order, on the CPU."""
+        self.run.stop_predicting = False
+        source.set_epoch(0)
+        rows: list[tuple[int, Any, Any]] = []
+        to_host = _host_copier(self.replicas)
+
+        def step(batch: DataBatch, index: int) -> dict[str, float]:
+            self._run(batch, is_train=False)
+            outs = [tree_map(to_host, o) for o in self.mgr.outputs()]
+            rows.append((index, batch.index, tree_cat(outs) if outs else None))
+            return {}
+
+        callbacks.call("on_predict_begin", {})
+        run_batches(itertools.islice(source, steps), callbacks, PREDICT, step,
+                    lambda: self.run.stop_predicting)
+        callbacks.call("on_predict_end", {})
+        return assemble(rows, self.plan.info.rank, self.plan.info.world_size)
+
+    # -- shared by every call -------------------------------------------------------------
+
+    def _run(self, batch: DataBatch, is_train: bool) -> None:
+        """Load, forward (and backward when training) one batch; update the metrics. On a
+        call's first batch, the user's errors come back with what the batch held."""
+        mgr, trainer = self.mgr, self.trainer
+        if self.checked:
+            mgr.load_data_batch(batch)
+            mgr.forward(is_train, total_rows=batch.global_rows)
+            if is_train:
+                mgr.backward(reduce=False, scale=trainer.loss_scale())  # type: ignore[union-attr]
+            if self.metrics and batch.label is not None:
+                mgr.update_metric(self.metrics)
+            return
+        if trainer is not None and batch.label is not None:
+            trainer.objective.check_targets(batch.label)
+            if batch.sample_weight is not None and not trainer.objective.supports_sample_weight:
+                raise ValueError(trainer.objective.no_weights_message())
+        try:
+            self.checked = True
+            self._run(batch, is_train)
+        except Exception as err:
+            self.checked = False
+            if _raised_in_fitdp(err):
+                raise
+            raise explain_failure(err, batch, "x") from err
+
+    def _first_batch_checks(self, batch: DataBatch) -> None:
+        """Checks that need the model's outputs, made once per call before the first
+        optimizer step: every target in range (the whole in-memory label tensor), and the
+        validation data shaped like the training data."""
+        if self.trainer is None or batch.label is None:
+            return
+        outputs = self.mgr.outputs()
+        if not outputs:
+            return
+        objective = self.trainer.objective
+        labels = getattr(self.plan.source, "y", None)
+        problem = objective.label_problem(outputs[0], batch.label if labels is None else labels)
+        if problem:
+            fail("y", problem, "class indices below the number of outputs",
+                 "check the labels, or the size of the model's last layer", described=True)
+        val = getattr(self.plan, "val", None)
+        if val is not None:
+            _check_validation(val, batch, objective, outputs[0])
+
+    def _batch_logs(self, index: int) -> dict[str, float]:
+        if self.exact_logs or index == 0 or (index + 1) % self.log_every == 0:
+            self.logs = self.read_logs()  # a host sync: only at log points on GPU
+        return dict(self.logs)
+
+    def read_logs(self) -> dict[str, float]:
+        """Mean loss and every metric since the last reset (the one host sync)."""
+        total, count = self.mgr.loss_state()
+        if self.mgr.distributed:
+            both = torch.stack([total.double().reshape(()),
+                                torch.tensor(float(count)).to(total)])
+            total, count = all_reduce_sum(both)
+        logs = {"loss": float(total) / float(count)} if count else {}
+        if self.metrics:
+            logs.update(self.metrics.compute())
+        return logs
+
+    def reset_logs(self) -> None:
+        self.mgr.reset_loss()
+        if self.metrics:
+            self.metrics.reset()
+        self.logs = {}
+
+    def data_position(self) -> Entry:
+        """The training data's position at the last optimizer step, as a checkpoint entry."""
+        def load(state: dict[str, Any]) -> None:
+            self.plan.source.load_state_dict(state)
+            self.data_state = state
+
+        return Entry(lambda: self.data_state, load)
+
+    def rollback(self) -> None:
+        """After a failure: drop the gradients and the position of batches not stepped, and
+        give the user's data source back where the last optimizer step left it."""
+        self.mgr.zero_grad()
+        self.run.micro_step = 0
+        if self.plan.user_source and self.data_state is not None:
+            self.plan.source.load_state_dict(self.data_state)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.remove()
+            self.mgr.monitor = None
+
+
+def _raised_in_fitdp(err: BaseException) -> bool:
+    """Whether ``err`` was raised by fitdp's own code (its messages are already clear)."""
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(
+        _FITDP_DIR)
+
+
+def _host_copier(replicas: Replicas) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Outputs to the CPU; under mixed precision, floats in the module's own dtype (as Keras
+    returns its compute dtype: float32 for a float32 model trained with bf16-mixed)."""
+    trainer = replicas.trainer
+    dtype = None
+    if trainer is not None and trainer.autocast_dtype is not None:
+        params = replicas.manager.master_parameters() or [
+            p for row in replicas.manager.param_arrays for p in row[:1]]
+        dtype = next((p.dtype for p in params if p.is_floating_point()), None)
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            return t.to("cpu", dtype=dtype, copy=True)
+        return t.to("cpu", copy=True)
+
+    return to_host
+
+
+def _check_validation(val: DataSource, batch: DataBatch, objective: Any, outputs: Any) -> None:
+    """Validation data like the training data (structure, dtypes, trailing shapes without
+    buckets, target range), checked before the first step."""
+    sample = _first_batch(val)
+    if sample is None:
+        return
+    for part, ours, theirs in (("inputs", batch.data, sample.data),
+                               ("targets", batch.label, sample.label)):
+        if tree_structure(ours) != tree_structure(theirs) or (
+                batch.bucket_key is None and _trailing(ours) != _trailing(theirs)):
+            fail("validation_data", f"{part} {_describe(theirs)}",
+                 f"{part} shaped like the training {part} {_describe(ours)}",
+                 "pass validation data in the same form as x and y", described=True)
+    if sample.label is not None:
+        try:
+            objective.check_targets(sample.label)
+        except ValueError as err:
+            raise ValueError(f"validation_data: {err}") from None
+        labels = getattr(val, "y", None)
+        problem = objective.label_problem(outputs, sample.label if labels is None else labels)
+        if problem:
+            fail("validation_data", problem, "class indices below the number of outputs",
+                 "check the validation labels", described=True)
+
+
+def _first_batch(source: DataSource) -> DataBatch | None:
+    """The first batch of a validation source, without moving it (None when it cannot be
+    read twice, like a generator)."""
+    if getattr(source, "one_shot", False):
+        return None
+    state = source.state_dict()
+    source.set_epoch(0)
+    batch = next(iter(source), None)
+    source.load_state_dict(state)
+    return batch
+
+
+def _trailing(tree: Any) -> Any:
+    return [(tuple(t.shape[1:]), t.dtype) for t in tree_leaves(tree)]
+
+
+def _describe(tree: Any) -> str:
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                     for t in tree_leaves(tree)) or "none"
