@@ -199,7 +199,10 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         for ex, sl in zip(group.executors, group.slices):
             lab = ex.labels if labels is None else tree_map(operator.itemgetter(sl), labels)
             if ex.valid > 0:
-                to = tree_map(lambda t: t.to(metric.device), (ex.outputs, lab))
+                # Owned copies without autograd history: the labels are views of input
+                # buffers the next batch overwrites, and a metric may keep what it is given.
+                to = tree_map(lambda t: t.detach().to(metric.device, copy=True),
+                              (ex.outputs, lab))
                 metric.update(*ex.valid_rows(to))
 
     def prepare_buckets(self, keys: Iterable[Hashable]) -> None:
