@@ -4,6 +4,7 @@ checks made on targets before any weight changes."""
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -35,7 +36,8 @@ class Loss:
                 fail(name, spec, f"one of {sorted(LOSSES)}, an nn.Module or a "
                      f"callable(outputs, targets) -> scalar tensor")
             self.fn = LOSSES[spec]
-            self.per_sample: Callable[..., torch.Tensor] | None = _no_reduction(self.fn)
+            self.per_sample: Callable[..., torch.Tensor] | None = functools.partial(
+                self.fn, reduction="none")
         elif callable(spec):
             self.fn = spec
             self.per_sample = None
@@ -190,10 +192,6 @@ def _pick(tree: Any, key: Any, name: str) -> Any:
         fail(name, f"{type(tree).__name__} without entry {key!r}",
              "one entry per loss (a tuple/list or dict of the module's outputs and targets)",
              "make the module return, and y hold, one entry per loss", described=True)
-
-
-def _no_reduction(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    return lambda outputs, targets: fn(outputs, targets, reduction="none")
 
 
 def explain_failure(err: Exception, batch: Any, origin: str) -> Exception:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,9 +23,6 @@ from fitdp.sources import DataSource, make_source
 from fitdp.sources.convert import as_tensors, split_validation
 from fitdp.sources.make import is_source
 from fitdp.validate import FitdpWarning, check_choice, check_int, check_number, fail
-
-if TYPE_CHECKING:
-    from fitdp.model import Model
 
 
 @dataclasses.dataclass
@@ -63,7 +60,7 @@ class FitPlan(CallPlan):
         return epoch + 1 in self.val_freq
 
 
-def plan_fit(model: Model, x: Any, y: Any, sample_weight: Any, *, batch_size: int, epochs: int,
+def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int, epochs: int,
              verbose: Any, callbacks: Any, validation_split: Any, validation_data: Any,
              shuffle: bool, class_weight: Any, initial_epoch: int, steps_per_epoch: Any,
              validation_steps: Any, validation_batch_size: Any, validation_freq: Any,
@@ -113,7 +110,7 @@ def plan_fit(model: Model, x: Any, y: Any, sample_weight: Any, *, batch_size: in
     )
 
 
-def plan_call(model: Model, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
+def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
               verbose: Any, callbacks: Any, steps: Any, devices: DevicesArg,
               has_labels: bool) -> CallPlan:
     """``evaluate`` (``has_labels``) or ``predict``."""
@@ -128,7 +125,7 @@ def plan_call(model: Model, x: Any, y: Any, sample_weight: Any, *, batch_size: i
                     info=info, steps=steps, user_source=is_source(x))
 
 
-def _place(model: Model, devices: DevicesArg, work_load_list: Any, timeout: float,
+def _place(model: Any, devices: DevicesArg, work_load_list: Any, timeout: float,
            batch_size: int | None) -> tuple[Placement, distributed.DistInfo]:
     """Devices and work loads, resolved once for the call; joins torchrun's job."""
     devs = resolve_devices(devices)
@@ -138,7 +135,7 @@ def _place(model: Model, devices: DevicesArg, work_load_list: Any, timeout: floa
              f"devices {[str(d) for d in devs]}", f"batch_size >= {len(devs)}, or fewer devices")
     info = distributed.from_env()
     distributed.join(info, devs, timeout)
-    model.is_main_process = info.is_main
+    model.is_main_process = info.is_main  # before callbacks ask the model
     return Placement(tuple(devs), tuple(loads), info.enabled), info
 
 
@@ -146,7 +143,7 @@ def _bucketed(placement: Placement, source: DataSource) -> Placement:
     return dataclasses.replace(placement, default_bucket_key=source.plan().default_bucket_key)
 
 
-def _callbacks(model: Model, callbacks: Any, verbose: Any, **params: Any) -> CallbackList:
+def _callbacks(model: Any, callbacks: Any, verbose: Any, **params: Any) -> CallbackList:
     level = 1 if verbose == "auto" else verbose
     if isinstance(level, bool) or level not in (0, 1, 2):
         fail("verbose", verbose, "'auto', 0 (silent), 1 (progress bar) or 2 (one line per "
