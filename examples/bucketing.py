@@ -3,8 +3,9 @@
 Every sequence is random tokens with log-normal lengths in [4, 256] (mean about 40); half of
 them hold one marker token at a random place, and the label says which half. A GRU must carry
 the marker to the end of the sequence. `fitdp.BucketIterator` groups sequences of similar
-length (automatic buckets: under 4% padding) and fitdp runs each bucket in its own executor
-group, two replicas on the CPU, with every parameter shared by name across buckets.
+length (automatic buckets: the least modelled training time, with at most 5% padding; each
+bucket's short last batch counts) and fitdp runs each bucket in its own executor group, two
+replicas on the CPU, with every parameter shared by name across buckets.
 
 Run:  python examples/bucketing.py           (100% held-out accuracy, about 10 s on 2 cores)
       python examples/bucketing.py --fast    (a few seconds: the test suite's setting)

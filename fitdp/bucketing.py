@@ -2,25 +2,41 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from fitdp.batch import DataBatch, DataDesc
+from fitdp.sources.protocol import SourcePlan
+from fitdp.validate import check_int
 
-# Automatic buckets: the fewest buckets whose padding is at most this share of all tokens...
-# (just under 5%: every bucket adds a short last batch, and on the CPU a short batch costs
-# almost as much per step as a full one, so fewer buckets beat less padding; measured on the
-# GRU benchmark, 0.04 -> 0.048 took 32 buckets to 27 and tokens/s from 0.95-0.97x to 0.97x
-# of a length-grouped sampler)
-AUTO_PADDING_TARGET = 0.048
-# ...but never more buckets than this: each one is an executor group (and a compiled graph).
-AUTO_MAX_BUCKETS = 64
-# Bucket boundaries are searched among at most this many lengths; the DP costs O(buckets * K^2).
-_MAX_CANDIDATES = 512
+
+class StepCost(NamedTuple):
+    """A step on ``rows`` sequences padded to ``width`` takes ``fixed + per_timestep * width +
+    per_token * rows * width`` (any unit: only ratios count).
+
+    Example:
+        >>> choose_buckets([3] * 40 + [9] * 40, batch_size=32, step_cost=StepCost(0, 0, 1))
+        [3, 9]
+    """
+
+    fixed: float
+    per_timestep: float
+    per_token: float
+
+
+# What automatic buckets minimise: a step of bench/bucketing.py's GRU (one thread, 2-core CPU;
+# `python bench/bucketing.py --fit-cost` fits rows 1..32 x widths 4..256) takes 0.50 ms + 0.064
+# ms per timestep + 0.0023 ms per token (error: median 3%, worst 13%). A timestep costs as much
+# as 28 rows: a short last batch costs half a full one (fixed + rows x width: 28% off).
+GRU_CPU_STEP_COST = StepCost(fixed=0.50, per_timestep=0.064, per_token=0.0023)
+AUTO_PADDING_TARGET = 0.05  # automatic buckets pad at most this share of all tokens,
+AUTO_MAX_BUCKETS = 64  # in at most this many buckets (each an executor group, a compiled graph)
+_MAX_CANDIDATES = 512  # bucket lengths searched; the DP costs O(buckets * K^2)
 
 
 def choose_buckets(
@@ -28,31 +44,33 @@ def choose_buckets(
     batch_size: int,
     padding_target: float = AUTO_PADDING_TARGET,
     max_buckets: int = AUTO_MAX_BUCKETS,
+    step_cost: StepCost = GRU_CPU_STEP_COST,
 ) -> list[int]:
-    """Bucket lengths that keep padding small without making buckets tiny.
+    """Bucket lengths of the least modelled training time per epoch, with little padding.
 
-    Rule: every bucket holds at least ``min(batch_size, len(lengths))`` samples (at least one
-    full batch, at most one smaller last batch). Under that constraint an exact dynamic program
-    over the distinct lengths (at most 512 candidates, quantiles when there are more) finds the
-    least-padding boundaries for 1, 2, ... buckets; the fewest buckets whose padding is at most
-    ``padding_target`` of all (real + pad) tokens win. If ``max_buckets`` buckets cannot reach
-    the target, the least-padding choice found is returned.
+    Every bucket holds at least ``min(batch_size, len(lengths))`` samples; ``p`` samples at width
+    ``w`` cost ``ceil(p / batch_size)`` steps of ``step_cost`` (the short last batch too) on
+    ``p * w`` tokens. An exact dynamic program over the distinct lengths (at most 512; quantiles
+    beyond) finds the cheapest boundaries. Padding above ``padding_target`` is charged extra (a
+    Lagrange multiplier, bisected) until within it, or least padding if nothing is.
 
     Args:
         lengths: the length of every sample (positive ints).
         batch_size: samples per batch; the minimum bucket population.
-        padding_target: the padding share (pad / (real + pad)) to stop at.
+        padding_target: the most padding (pad / (real + pad)) to accept.
         max_buckets: the most buckets to use.
+        step_cost: the step time model (default: measured for a GRU on a CPU).
 
     Returns:
-        Sorted bucket lengths; the last one is the longest sample.
+        Sorted bucket lengths; the last is the longest sample.
 
     Example:
         >>> choose_buckets([2, 2, 3, 9, 9, 10], batch_size=2)
         [3, 10]
     """
     lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    n, batch_size = len(lens), _check_int("batch_size", batch_size, 1)
+    n, batch_size = len(lens), check_int("batch_size", batch_size, 1)
+    max_buckets = check_int("max_buckets", max_buckets, 1)
     if n == 0 or lens.min() < 1:
         raise ValueError(f"lengths: received {lens.tolist()[:8]}...; expected ints >= 1.")
     cand = np.unique(lens)
@@ -62,69 +80,93 @@ def choose_buckets(
     group = np.searchsorted(cand, lens, side="left")  # each sample -> smallest candidate >= it
     count = np.concatenate([[0], np.cumsum(np.bincount(group, minlength=k))]).astype(np.float64)
     real = np.concatenate([[0], np.cumsum(np.bincount(group, weights=lens, minlength=k))])
-    # cost[i, j]: padding of one bucket of length cand[j-1] holding candidate groups i..j-1.
-    i, j = np.arange(k + 1)[:, None], np.arange(k + 1)[None, :]
-    pop = count[j] - count[i]
-    width = np.concatenate([[0], cand]).astype(np.float64)[j]
+    i, j = np.arange(k + 1)[:, None], np.arange(k + 1)[None, :]  # bucket [i, j): groups i..j-1
+    pop, width = count[j] - count[i], np.concatenate([[0], cand]).astype(np.float64)[j]
     valid = (j > i) & (pop >= min(batch_size, n))
-    cost = np.where(valid, pop * width - (real[j] - real[i]), np.inf)
-    dp = np.concatenate([[0.0], np.full(k, np.inf)])
-    parents: list[np.ndarray] = []
-    best_pad, best_m = math.inf, 0
-    for m in range(1, max(1, max_buckets) + 1):
-        total = dp[:, None] + cost
+    fixed, per_timestep, per_token = (float(c) for c in step_cost)
+    steps = np.ceil(pop / batch_size)  # the short last batch costs a step too
+    time = np.where(valid, steps * (fixed + per_timestep * width) + per_token * pop * width, np.inf)
+    pad = np.where(valid, pop * width - (real[j] - real[i]), 0.0)
+
+    def solve(weight: float) -> tuple[list[int], bool]:
+        ends = _cheapest_split(time + weight * pad, max_buckets)
+        padded = sum(pad[a, b] for a, b in zip([0, *ends[:-1]], ends))
+        return ends, padded <= padding_target * (real[k] + padded)
+
+    ends, ok = solve(0.0)
+    if not ok:  # padding falls as its weight grows; above every plan's time: least padding
+        lo, hi = 0.0, float(np.max(time, where=valid, initial=0.0)) * max_buckets + 1.0
+        ends, ok = solve(hi)
+        for _ in range(12 if ok else 0):  # geometric: a 1e9 range to within 1%
+            mid = math.sqrt(max(lo, 1e-9 * hi) * hi)
+            mid_ends, mid_ok = solve(mid)
+            lo, hi, ends = (lo, mid, mid_ends) if mid_ok else (mid, hi, ends)
+    return [int(cand[e - 1]) for e in ends]
+
+
+def _cheapest_split(cost: np.ndarray, max_buckets: int) -> list[int]:
+    """Exact DP: split candidates 0..k-1 into at most ``max_buckets`` consecutive buckets of
+    least total ``cost[i, j]`` (one bucket = candidates i..j-1); each bucket's end ``j``."""
+    k = cost.shape[0] - 1
+    best = np.concatenate([[0.0], np.full(k, np.inf)])  # best[j]: candidates 0..j-1 split
+    cols, parents = np.arange(k + 1), []
+    for _ in range(max_buckets):  # layer m: at most m + 1 buckets
+        total = best[:, None] + cost
         arg = total.argmin(axis=0)
-        dp = total[arg, np.arange(k + 1)]
-        parents.append(arg)
-        pad = dp[k]
-        if pad < best_pad:
-            best_pad, best_m = pad, m
-        # Feasibility only shrinks as m grows (merging two valid buckets stays valid).
-        if not np.isfinite(pad) or pad <= padding_target * (real[k] + pad):
+        better = total[arg, cols] < best  # strict: on a tie the fewer buckets stay
+        if not better.any():  # no extra bucket helps anywhere: the optimum is reached
             break
-    bounds, end = [], k
-    for arg in reversed(parents[:best_m]):
-        bounds.append(int(cand[end - 1]))
-        end = int(arg[end])
-    return sorted(bounds)
+        parents.append(np.where(better, arg, -1))
+        best = np.where(better, total[arg, cols], best)
+    ends, end = [], k
+    for arg in reversed(parents):  # -1: the same split as one layer down
+        if arg[end] >= 0:
+            ends.append(end)
+            end = int(arg[end])
+    return ends[::-1]
 
 
 class BucketIterator:
     """Variable-length sequences -> padded batches grouped by length (MXNet's bucketing).
 
-    Each sample goes to the smallest bucket length >= its length; a batch holds samples of one
-    bucket only and is padded with ``pad_value`` to that bucket's length, so short sequences
-    never pay for long ones. Per bucket, batches are full except possibly the last, smaller one
-    (kept: no sample is dropped or duplicated; ``pad`` is always 0).
+    Each sample goes to the smallest bucket length >= its length; a batch holds one bucket's
+    samples, padded with ``pad_value`` to its length. Per bucket, batches are full except
+    possibly the last, smaller one (kept: nothing is dropped or duplicated; ``pad`` is 0).
 
-    Epochs and exact resume: an epoch's order depends only on ``(seed, epoch)``. Iterating
-    yields the current epoch's batches from ``position`` on (a batch counts as consumed once
-    yielded); ``state_dict``/``load_state_dict`` carry ``seed, epoch, position``. The trainer
-    calls ``set_epoch(e)`` before each epoch; given the current epoch it keeps a partly consumed
-    position (so: load state, then set_epoch as usual). Iterating a finished epoch again without
-    ``set_epoch`` starts the next epoch instead of yielding nothing. One live iteration at a time.
+    Per-token labels (taggers, language models: one label sequence per sequence, of its length)
+    are padded with ``label_pad`` (-100: the ``ignore_index`` of ``F.cross_entropy`` and of
+    torchmetrics, so loss and metrics skip the padding).
+
+    A ``fitdp.sources.DataSource``: an epoch's order depends only on ``(seed, epoch)``;
+    ``set_epoch(e)`` always starts epoch ``e`` at its first batch; only ``load_state_dict``
+    (``seed, epoch, position``) continues a partly consumed one. Iterating a finished epoch
+    again without ``set_epoch`` starts the next. ``set_epoch``/``load_state_dict`` end a live
+    iteration (one at a time).
 
     Args:
         sequences: 1-D tensors, lists of ints or numpy arrays, one per sample.
-        labels: one label per sequence (tensor, list or array; dim 0 is the sample), or None.
+        labels: one label per sequence (tensor, list or array; dim 0 is the sample), one
+            label sequence per sequence of its length (lists, 1-D tensors or arrays), or None.
         batch_size: samples per batch.
         buckets: bucket lengths, or None to choose them with `choose_buckets`.
         pad_value: the value written after each sequence.
         shuffle: reshuffle samples within buckets and the order of batches every epoch.
-        seed: seed of the shuffles; None draws one from torch's global RNG (so
-            ``torch.manual_seed`` makes it reproducible).
+        seed: seed of the shuffles; None draws one from torch's global RNG (reproducible).
         include_lengths: yield ``data=(padded, lengths)`` instead of ``padded``.
+        label_pad: the value written after each per-token label sequence.
 
     Raises:
-        TypeError: an argument, sequence or label of the wrong type.
-        ValueError: empty input or sequence, mismatched counts, a sequence longer than every
-            bucket, a bad bucket length or batch size, a sequence that is not 1-D.
+        TypeError, ValueError: a bad argument, sequence or label (named in the message).
 
     Example:
         >>> seqs = [torch.arange(1, n + 1) for n in (3, 5, 2, 7)]
         >>> it = BucketIterator(seqs, [0, 1, 0, 1], batch_size=2, buckets=[4, 8], shuffle=False)
         >>> [(b.bucket_key, tuple(b.data.shape), b.index.tolist()) for b in it]
         [(4, (2, 4), [0, 2]), (8, (2, 8), [1, 3])]
+        >>> tags = [s % 2 for s in seqs]  # per token
+        >>> next(iter(BucketIterator(seqs, tags, 2, buckets=[4, 8], shuffle=False))).label
+        tensor([[   1,    0,    1, -100],
+                [   1,    0, -100, -100]])
     """
 
     def __init__(
@@ -137,34 +179,28 @@ class BucketIterator:
         shuffle: bool = True,
         seed: int | None = None,
         include_lengths: bool = False,
+        label_pad: int | float = -100,
     ) -> None:
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        seed = None if seed is None else _check_int("seed", seed, None)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        seed = None if seed is None else check_int("seed", seed, None)
         seqs = _as_sequences(sequences)
-        self._dtype = seqs[0].dtype
-        for s in seqs[1:]:
-            self._dtype = torch.promote_types(self._dtype, s.dtype)
-        if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)) or (
-            not self._dtype.is_floating_point and not float(pad_value).is_integer()
-        ):  # torch.full would silently truncate 0.5 to 0 in an int64 batch
-            raise TypeError(
-                f"pad_value: received {pad_value!r} for sequences of dtype {self._dtype}; "
-                "expected a number of that dtype. Fix: pass e.g. pad_value=0."
-            )
-        self.pad_value = pad_value if self._dtype.is_floating_point else int(pad_value)
+        self._dtype = functools.reduce(torch.promote_types, (s.dtype for s in seqs))
+        self.pad_value = _check_pad("pad_value", pad_value, "sequences", self._dtype)
 
-        # One flat tensor + offsets: a batch is built with one gather, not a per-row collate.
+        # One flat tensor + offsets (per-token labels too): a batch is one gather, not a collate.
         self._lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
         self._offsets = torch.cumsum(self._lengths, 0) - self._lengths
         self._flat = torch.cat([s.to(self._dtype) for s in seqs])
-        self.labels = _as_labels(labels, len(seqs))
+        self._labels, self.per_token_labels = _as_labels(labels, self._lengths)
+        self.label_pad = _check_pad("label_pad", label_pad, "labels",
+                                    getattr(self._labels, "dtype", torch.int64))
 
         self.buckets = self._check_buckets(buckets)
-        self.shuffle = bool(shuffle)
-        self.include_lengths = bool(include_lengths)
+        self.shuffle, self.include_lengths = bool(shuffle), bool(include_lengths)
         # Drawn from the global RNG so torch.manual_seed(...) reproduces a seed=None run.
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
-        self._epoch, self._position = 0, 0
+        # _restarts counts set_epoch/load_state_dict calls: a live iteration stops on a change.
+        self._epoch = self._position = self._restarts = 0
 
         bucket_of = torch.searchsorted(torch.tensor(self.buckets), self._lengths)
         width = torch.tensor(self.buckets)[bucket_of]
@@ -172,7 +208,7 @@ class BucketIterator:
         self._num_batches = sum(math.ceil(len(m) / batch_size) for m in self._members)
         self.num_tokens = int(self._lengths.sum())
         self.padding_fraction = float((width - self._lengths).sum()) / float(width.sum())
-        self._plan_cache: tuple[tuple[int, int], list[tuple[int, torch.Tensor]]] | None = None
+        self._order_cache: tuple[tuple[int, int], list[tuple[int, torch.Tensor]]] | None = None
 
     def _check_buckets(self, buckets: Sequence[int] | None) -> list[int]:
         """Validate user buckets (or choose them) and check every sequence fits."""
@@ -181,18 +217,16 @@ class BucketIterator:
             return choose_buckets(self._lengths.numpy(), self.batch_size)
         if isinstance(buckets, (torch.Tensor, np.ndarray)):
             buckets = buckets.tolist()
-        fix = " Fix: pass positive ints, e.g. buckets=[16, 32, 64], or buckets=None."
-        if not isinstance(buckets, (list, tuple)):
-            raise TypeError(f"buckets: received {type(buckets).__name__}; expected a list.{fix}")
-        if not buckets:
-            raise ValueError(f"buckets: received []; expected at least one bucket length.{fix}")
-        out = sorted({_check_int("buckets", b, 1, fix) for b in buckets})
+        fix = "pass positive ints, e.g. buckets=[16, 32, 64], or buckets=None"
+        if not isinstance(buckets, (list, tuple)) or not buckets:
+            error = ValueError if isinstance(buckets, (list, tuple)) else TypeError
+            raise error(f"buckets: received {buckets!r}; expected a non-empty list. Fix: {fix}.")
+        out = sorted({check_int("buckets", b, 1, fix=fix) for b in buckets})
         if longest > out[-1]:
             raise ValueError(
                 f"sequences[{int(torch.argmax(self._lengths))}] has length {longest}, longer "
                 f"than the largest bucket {out[-1]} (buckets={out}). Fix: add a bucket >= "
-                f"{longest}, or pass buckets=None to choose them from the lengths."
-            )
+                f"{longest}, or pass buckets=None to choose them from the lengths.")
         return out
 
     @property
@@ -205,23 +239,35 @@ class BucketIterator:
         return len(self._lengths)
 
     @property
+    def num_batches(self) -> int:
+        """Batches per epoch (every bucket's full batches and its smaller last one)."""
+        return self._num_batches
+
+    @property
     def provide_data(self) -> list[DataDesc]:
         """Inputs of a full batch of the default bucket (MXNet style)."""
-        shape = (self.batch_size, self.default_bucket_key)
+        shape, lengths = (self.batch_size, self.default_bucket_key), (self.batch_size,)
         if self.include_lengths:
-            lengths = DataDesc("data1", (self.batch_size,), torch.int64)
-            return [DataDesc("data0", shape, self._dtype), lengths]
+            return [DataDesc("data0", shape, self._dtype), DataDesc("data1", lengths, torch.int64)]
         return [DataDesc("data", shape, self._dtype)]
 
     @property
     def provide_label(self) -> list[DataDesc]:
-        """Labels of a full batch ([] without labels)."""
-        if self.labels is None:
+        """Labels of a full batch of the default bucket ([] without labels)."""
+        if self._labels is None:
             return []
-        return [DataDesc("label", (self.batch_size, *self.labels.shape[1:]), self.labels.dtype)]
+        rest = (self.default_bucket_key,) if self.per_token_labels else self._labels.shape[1:]
+        return [DataDesc("label", (self.batch_size, *rest), self._labels.dtype)]
+
+    def plan(self) -> SourcePlan:
+        """For the manager: the buckets that have samples, the largest as default, its inputs."""
+        keys = tuple(k for k, m in zip(self.buckets, self._members) if len(m))
+        return SourcePlan(bucket_keys=keys, default_bucket_key=self.default_bucket_key,
+                          inputs=[*self.provide_data, *self.provide_label],
+                          rows_per_step=None, num_samples=self.num_samples)
 
     def __len__(self) -> int:
-        return self._num_batches
+        return self.num_batches
 
     @property
     def num_batches(self) -> int:  # TEMPORARY: the bucketing branch brings the real one
@@ -234,45 +280,34 @@ class BucketIterator:
                           num_samples=self.num_samples)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch to iterate; keeps the position of a partly consumed current epoch.
-
-        Args:
-            epoch: the epoch index (>= 0); the shuffle order depends on it.
-
-        Raises:
-            TypeError, ValueError: ``epoch`` is not an int >= 0.
-        """
-        epoch = _check_int("epoch", epoch, 0)
-        if epoch != self._epoch or self._position >= self._num_batches:
-            self._epoch, self._position = epoch, 0
+        """The next iteration yields all of epoch ``epoch`` (an int >= 0, else TypeError or
+        ValueError), even if a call that raised or stopped early consumed part of it."""
+        self._epoch, self._position = check_int("epoch", epoch, 0), 0
+        self._restarts += 1
 
     def state_dict(self) -> dict[str, int]:
         """Seed, epoch and batches already yielded in this epoch (plain ints)."""
         return {"seed": self.seed, "epoch": self._epoch, "position": self._position}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue where ``state`` left off: the next iteration yields the remaining batches.
-
-        Raises:
-            ValueError: a key is missing or the position does not fit this data.
-        """
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where ``state`` left off (``set_epoch`` after it would restart the epoch);
+        a ValueError if a key is missing or the position does not fit this data."""
         if missing := {"seed", "epoch", "position"} - set(state):
             raise ValueError(f"state: lacks {sorted(missing)}; expected a state_dict() result.")
         if not 0 <= int(state["position"]) <= self._num_batches:
             raise ValueError(
                 f"state: position {state['position']} does not fit this iterator's "
                 f"{self._num_batches} batches per epoch. Fix: build the iterator with the same "
-                "sequences, batch_size and buckets as the run that saved it."
-            )
+                "sequences, batch_size and buckets as the run that saved it.")
         self.seed, self._epoch = int(state["seed"]), int(state["epoch"])
         self._position = int(state["position"])
+        self._restarts += 1
 
-    def _plan(self, epoch: int) -> list[tuple[int, torch.Tensor]]:
+    def _epoch_order(self, epoch: int) -> list[tuple[int, torch.Tensor]]:
         """(bucket length, sample indices) of every batch of ``epoch``; depends on (seed, epoch)."""
-        if self._plan_cache is not None and self._plan_cache[0] == (self.seed, epoch):
-            return self._plan_cache[1]
-        g = torch.Generator()
-        g.manual_seed((self.seed * 0x9E3779B97F4A7C15 + epoch) % 2**64)
+        if self._order_cache is not None and self._order_cache[0] == (self.seed, epoch):
+            return self._order_cache[1]
+        g = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + epoch) % 2**64)
         batches: list[tuple[int, torch.Tensor]] = []
         for width, members in zip(self.buckets, self._members):
             if self.shuffle:
@@ -281,29 +316,42 @@ class BucketIterator:
                 batches.extend((width, part) for part in members.split(self.batch_size))
         if self.shuffle:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-        self._plan_cache = ((self.seed, epoch), batches)  # keyed by seed: load_state_dict sets it
+        self._order_cache = ((self.seed, epoch), batches)  # by seed: load_state_dict sets it
         return batches
 
     def _make_batch(self, width: int, index: torch.Tensor) -> DataBatch:
-        """Pad the rows ``index`` to ``width`` with one masked gather."""
-        lengths = self._lengths[index]
-        cols = torch.arange(width)
+        """Pad the rows ``index`` (and their per-token labels) to ``width``: one masked gather."""
+        lengths, cols = self._lengths[index], torch.arange(width)
         mask = cols < lengths[:, None]
+        source = (self._offsets[index][:, None] + cols)[mask]
         padded = torch.full((len(index), width), self.pad_value, dtype=self._dtype)
-        padded[mask] = self._flat[(self._offsets[index][:, None] + cols)[mask]]
-        label = None if self.labels is None else self.labels[index]
+        padded[mask] = self._flat[source]
+        labels = label = self._labels
+        if labels is not None and self.per_token_labels:
+            label = torch.full((len(index), width), self.label_pad, dtype=labels.dtype)
+            label[mask] = labels[source]
+        elif labels is not None:
+            label = labels[index]
         data = (padded, lengths) if self.include_lengths else padded
         return DataBatch(data=data, label=label, bucket_key=width, pad=0, index=index)
 
     def __iter__(self) -> Iterator[DataBatch]:
         if self._position >= self._num_batches:  # finished epoch, no set_epoch: move on
             self._epoch, self._position = self._epoch + 1, 0
-        epoch, plan = self._epoch, self._plan(self._epoch)
-        # Stop if set_epoch/load_state_dict moved us elsewhere while this generator was alive.
-        while self._epoch == epoch and self._position < len(plan):
-            width, index = plan[self._position]
+        restarts, order = self._restarts, self._epoch_order(self._epoch)
+        while self._restarts == restarts and self._position < len(order):
+            width, index = order[self._position]
             self._position += 1  # counted before the yield: a checkpoint taken in the step
             yield self._make_batch(width, index)  # that trains this batch resumes after it
+
+
+def _to_tensor(name: str, value: Any, expected: str) -> torch.Tensor:
+    """``value`` as a CPU tensor, else a TypeError naming ``name``."""
+    try:
+        return value.detach().cpu() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{name}: received {type(value).__name__} that is not numeric ({e}); "
+                        f"expected {expected}.") from None
 
 
 def _as_sequences(sequences: Any) -> list[torch.Tensor]:
@@ -314,50 +362,49 @@ def _as_sequences(sequences: Any) -> list[torch.Tensor]:
         raise ValueError("sequences: received an empty list; expected at least one sequence.")
     out = []
     for i, s in enumerate(sequences):
-        try:
-            t = s.detach().cpu() if isinstance(s, torch.Tensor) else torch.as_tensor(s)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise TypeError(
-                f"sequences[{i}]: received {type(s).__name__} that is not numeric ({e}); "
-                "expected a 1-D tensor, list of ints or numpy array."
-            ) from None
+        t = _to_tensor(f"sequences[{i}]", s, "a 1-D tensor, list of ints or numpy array")
         if t.dim() != 1 or len(t) == 0:
-            empty = t.dim() == 1
-            got = "an empty sequence" if empty else f"shape {tuple(t.shape)}"
-            fix = "drop empty sequences first" if empty else "flatten it"
-            raise ValueError(
-                f"sequences[{i}]: received {got}; expected a non-empty 1-D sequence. Fix: {fix}."
-            )
+            got, fix = ("an empty sequence", "drop empty sequences first") if t.dim() == 1 else (
+                f"shape {tuple(t.shape)}", "flatten it")
+            raise ValueError(f"sequences[{i}]: received {got}; expected a non-empty 1-D "
+                             f"sequence. Fix: {fix}.")
         out.append(t)
     return out
 
 
-def _as_labels(labels: Any, count: int) -> torch.Tensor | None:
-    """Labels as one CPU tensor whose dim 0 matches the number of sequences."""
+def _as_labels(labels: Any, lengths: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """Labels as one CPU tensor (per token: concatenated; else dim 0 is the sample), and
+    whether they are per token."""
+    count, sizes = len(lengths), lengths.tolist()
+    if isinstance(labels, (list, tuple)) and len(labels) == count and all(
+        isinstance(x, (list, tuple)) or getattr(x, "ndim", 0) >= 1 for x in labels
+    ):  # a list of sequences: per token, or per sample if all alike (e.g. one-hot rows)
+        rows = [_to_tensor(f"labels[{i}]", x, "numbers") for i, x in enumerate(labels)]
+        bad = [i for i, r in enumerate(rows) if r.shape != (sizes[i],)]
+        if bad and len({r.shape for r in rows}) > 1:
+            i = bad[0]
+            raise ValueError(f"labels[{i}]: received shape {tuple(rows[i].shape)} for sequences"
+                             f"[{i}] of length {sizes[i]}; expected per-token labels of shape "
+                             f"({sizes[i]},). Fix: one label per token (a language model's: "
+                             "shift by one, end with label_pad).")
+        return (torch.stack(rows), False) if bad else (torch.cat(rows), True)
     if labels is None:
-        return None
-    try:
-        t = labels.detach().cpu() if isinstance(labels, torch.Tensor) else torch.as_tensor(labels)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise TypeError(
-            f"labels: received {type(labels).__name__} that cannot become one tensor ({e}); "
-            "expected a tensor, list or numpy array with one label per sequence, or None."
-        ) from None
+        return None, False
+    t = _to_tensor("labels", labels, "one label per sequence, or None")
     if t.dim() == 0 or t.shape[0] != count:
         got = "a scalar" if t.dim() == 0 else f"{t.shape[0]} labels"
-        raise ValueError(
-            f"labels: received {got} for {count} sequences; expected one label per "
-            "sequence. Fix: pass labels in the same order and number as sequences."
-        )
-    return t
+        raise ValueError(f"labels: received {got} for {count} sequences; expected one label "
+                         "(or label sequence) per sequence. Fix: pass labels in the same order "
+                         "and number as sequences.")
+    return t, False
 
 
-def _check_int(name: str, value: Any, minimum: int | None, fix: str = "") -> int:
-    """``value`` as an int >= ``minimum``, else a TypeError/ValueError naming ``name``."""
-    expected = "an int" if minimum is None else f"an int >= {minimum}"
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        got = f"{value!r} ({type(value).__name__})"
-        raise TypeError(f"{name}: received {got}; expected {expected}.{fix}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: received {value}; expected {expected}.{fix}")
-    return int(value)
+def _check_pad(name: str, value: Any, what: str, dtype: torch.dtype) -> int | float:
+    """``value`` as a pad of ``dtype`` (torch.full would silently truncate 0.5 to 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            dtype.is_floating_point or float(value).is_integer()):
+        raise TypeError(f"{name}: received {value!r} for {what} of dtype {dtype}; expected a "
+                        f"number of that dtype. Fix: pass e.g. {name}="
+                        f"{-100 if what == 'labels' else 0}.")
+    return value if dtype.is_floating_point else int(value)
+
