@@ -269,16 +269,6 @@ class BucketIterator:
     def __len__(self) -> int:
         return self.num_batches
 
-    @property
-    def num_batches(self) -> int:  # TEMPORARY: the bucketing branch brings the real one
-        return self._num_batches
-
-    def plan(self) -> Any:  # TEMPORARY: the bucketing branch brings the real one
-        from fitdp.sources.protocol import SourcePlan
-        return SourcePlan(bucket_keys=tuple(self.buckets), default_bucket_key=self.buckets[-1],
-                          inputs=(*self.provide_data, *self.provide_label),
-                          num_samples=self.num_samples)
-
     def set_epoch(self, epoch: int) -> None:
         """The next iteration yields all of epoch ``epoch`` (an int >= 0, else TypeError or
         ValueError), even if a call that raised or stopped early consumed part of it."""
