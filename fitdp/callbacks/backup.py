@@ -78,15 +78,16 @@ class BackupAndRestore(Callback):
         """
         if not self.double_checkpoint:
             return self.path if os.path.isfile(self.path) else None
-        if os.path.isfile(self.path):
-            try:
-                with open(self.path, "rb") as f:
-                    verify(f, self.path)
-                return self.path
-            except CheckpointError as e:
-                if not os.path.isfile(self.previous_path):
-                    return self.path  # nothing to fall back to: loading it reports the damage
-                self._set_aside(e)
+        try:
+            with open(self.path, "rb") as f:
+                verify(f, self.path)
+            return self.path
+        except FileNotFoundError:
+            pass  # no backup, or another rank just set a damaged one aside
+        except CheckpointError as e:
+            if not os.path.isfile(self.previous_path):
+                return self.path  # nothing to fall back to: loading it reports the damage
+            self._set_aside(e)
         return self.previous_path if os.path.isfile(self.previous_path) else None
 
     def _set_aside(self, error: CheckpointError) -> None:
