@@ -7,7 +7,8 @@ Example:
 """
 
 from fitdp.callbacks.backup import BackupAndRestore
-from fitdp.callbacks.base import HOOKS, Callback, CallbackList
+from fitdp.callbacks.base import HOOKS, Callback
+from fitdp.callbacks.callback_list import CallbackList, state_keys
 from fitdp.callbacks.csv_logger import CSVLogger
 from fitdp.callbacks.early_stopping import EarlyStopping
 from fitdp.callbacks.history import History
@@ -21,5 +22,5 @@ from fitdp.callbacks.tensorboard import TensorBoard
 __all__ = [
     "HOOKS", "BackupAndRestore", "CSVLogger", "Callback", "CallbackList", "EarlyStopping",
     "History", "LambdaCallback", "LearningRateScheduler", "ModelCheckpoint", "ProgressBar",
-    "ReduceLROnPlateau", "Speedometer", "TensorBoard", "TerminateOnNaN",
+    "ReduceLROnPlateau", "Speedometer", "TensorBoard", "TerminateOnNaN", "state_keys",
 ]

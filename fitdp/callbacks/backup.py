@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
-from fitdp.callbacks._monitor import check_save_freq, step_save_due
+from fitdp.callbacks._save_freq import check_save_freq, step_save_due
 from fitdp.callbacks.base import Callback
+from fitdp.seal import CheckpointError, verify
+from fitdp.validate import fail
 
 
 class BackupAndRestore(Callback):
@@ -18,47 +21,109 @@ class BackupAndRestore(Callback):
     `fit` the backup is deleted (unless `delete_checkpoint=False`), so the next `fit` starts
     fresh. Only the main process writes or deletes.
 
+    With `double_checkpoint=True` the backup before the latest is kept as
+    `backup_dir/backup.prev.ckpt`; when the latest is missing or damaged (its seal or a record
+    CRC does not match, see `fitdp.seal.verify`), `resume_path()` warns, sets the damaged file
+    aside as `backup.ckpt.damaged` and returns the previous one (Keras 3).
+
     Args:
         backup_dir: folder of the backup (created when needed). Use one folder per run.
         save_freq: "epoch" or an int N (every N optimizer steps, `model.global_step`).
         delete_checkpoint: delete the backup when `fit` completes.
+        double_checkpoint: keep the previous backup too, as a fallback (twice the disk).
+        async_save: `model.save(path, async_save=True)`: training goes on while a background
+            thread writes the backup.
 
     Raises:
         TypeError: `backup_dir` is not a non-empty string or path.
         ValueError: `save_freq` is neither "epoch" nor a positive int.
 
     Example:
-        >>> backup = BackupAndRestore("/tmp/run1-backup", save_freq=500)
-        >>> backup.resume_path() is None or backup.resume_path().endswith("backup.ckpt")
+        >>> backup = BackupAndRestore("/tmp/run1-backup", save_freq=500, double_checkpoint=True)
+        >>> backup.resume_path() is None or backup.resume_path().endswith(".ckpt")
         True
     """
 
     FILENAME = "backup.ckpt"
+    PREVIOUS = "backup.prev.ckpt"
+    needs_batch_logs = False  # counts optimizer steps; never reads the logs
 
     def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch",
-                 delete_checkpoint: bool = True) -> None:
+                 delete_checkpoint: bool = True, *, double_checkpoint: bool = False,
+                 async_save: bool = False) -> None:
         super().__init__()
         if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
-            raise TypeError(f"BackupAndRestore(backup_dir=...) got {backup_dir!r}; expected a "
-                            "non-empty folder path such as 'runs/backup'.")
+            fail("BackupAndRestore(backup_dir=...)", backup_dir,
+                 "a non-empty folder path such as 'runs/backup'", error=TypeError)
         self.backup_dir = os.fspath(backup_dir)
-        self.save_freq = check_save_freq(save_freq, "BackupAndRestore")
+        self.save_freq = check_save_freq(save_freq, "BackupAndRestore", "optimizer steps")
         self.delete_checkpoint = bool(delete_checkpoint)
+        self.double_checkpoint = bool(double_checkpoint)
+        self.async_save = bool(async_save)
         self.path = os.path.join(self.backup_dir, self.FILENAME)
+        self.previous_path = os.path.join(self.backup_dir, self.PREVIOUS)
+        self._pending = False  # an async save may still be writing
         self._last_step = 0
 
+    @property
+    def state_key(self) -> str:
+        """`BackupAndRestore[<backup_dir>]`."""
+        return f"BackupAndRestore[{self.backup_dir}]"
+
     def resume_path(self) -> str | None:
-        """The backup file when one exists (an earlier `fit` did not finish), else None."""
-        return self.path if os.path.isfile(self.path) else None
+        """The backup to resume from (an earlier `fit` did not finish), else None.
+
+        With `double_checkpoint`, the latest backup is verified first (one read of the file)
+        and the previous one is returned when the latest is missing or damaged.
+        """
+        if not self.double_checkpoint:
+            return self.path if os.path.isfile(self.path) else None
+        try:
+            with open(self.path, "rb") as f:
+                verify(f, self.path)
+            return self.path
+        except FileNotFoundError:
+            pass  # no backup, or another rank just set a damaged one aside
+        except CheckpointError as e:
+            if not os.path.isfile(self.previous_path):
+                return self.path  # nothing to fall back to: loading it reports the damage
+            self._set_aside(e)
+        return self.previous_path if os.path.isfile(self.previous_path) else None
+
+    def _set_aside(self, error: CheckpointError) -> None:
+        """Move a damaged latest backup out of the rotation (kept for inspection)."""
+        damaged = self.path + ".damaged"
+        warnings.warn(f"BackupAndRestore: the latest backup is damaged ({error}); resuming from "
+                      f"the previous one, {self.previous_path}. The damaged file is kept as "
+                      f"{damaged}.", UserWarning, stacklevel=3)
+        if self._is_main_process():
+            os.replace(self.path, damaged)
 
     def latest_checkpoint(self) -> str | None:
         """Same as `resume_path()`, for `fit(resume="latest")`."""
         return self.resume_path()
 
     def _backup(self) -> None:
-        if self._is_main_process():
-            os.makedirs(self.backup_dir, exist_ok=True)
+        if not self._is_main_process():
+            return
+        os.makedirs(self.backup_dir, exist_ok=True)
+        self._wait()  # the file rotated below must be complete
+        if self.double_checkpoint and os.path.isfile(self.path):
+            # A crash right after this leaves only the previous backup: resume_path uses it.
+            os.replace(self.path, self.previous_path)
+        if self.async_save:
+            self.model.save(self.path, async_save=True)
+            self._pending = True
+        else:
             self.model.save(self.path)
+
+    def _wait(self) -> None:
+        if self._pending:
+            self.model.wait_for_saves()  # raises the error of a failed background save
+            self._pending = False
+
+    def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
+        self._last_step = 0
 
     def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
         step = int(self.model.global_step)
@@ -72,9 +137,14 @@ class BackupAndRestore(Callback):
 
     def on_train_end(self, logs: dict[str, float] | None = None) -> None:
         # The model calls on_train_end only after a successful run: the backup has served.
+        self._wait()
         if self.delete_checkpoint and self._is_main_process():
+            for path in (self.path, self.previous_path, self.path + ".damaged"):
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
             try:
-                os.remove(self.path)
                 os.rmdir(self.backup_dir)  # only when empty: never another run's files
             except OSError:
                 pass

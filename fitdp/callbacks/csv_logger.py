@@ -7,6 +7,7 @@ import os
 from typing import IO, Any
 
 from fitdp.callbacks.base import Callback
+from fitdp.validate import check_path, fail
 
 _MISSING = "NA"  # Keras's placeholder; pandas reads it as NaN
 
@@ -25,8 +26,8 @@ class CSVLogger(Callback):
         append: keep an existing file and add rows (its header is reused, not rewritten).
 
     Raises:
-        TypeError: `filename` is not a string or path.
-        ValueError: `separator` is not one character.
+        TypeError: `filename` is not a string or path, `separator` not a string.
+        ValueError: `filename` is empty or a folder; `separator` is not one character.
 
     Example:
         >>> logger = CSVLogger("runs/train.csv", append=True)
@@ -34,16 +35,15 @@ class CSVLogger(Callback):
         ','
     """
 
+    needs_batch_logs = False  # epoch logs only
+
     def __init__(self, filename: str | os.PathLike[str], separator: str = ",",
                  append: bool = False) -> None:
         super().__init__()
-        if not isinstance(filename, (str, os.PathLike)) or not os.fspath(filename):
-            raise TypeError(f"CSVLogger(filename=...) got {filename!r}; expected a non-empty "
-                            "file path such as 'runs/train.csv'.")
+        self.filename = check_path("CSVLogger(filename=...)", filename)
         if not isinstance(separator, str) or len(separator) != 1:
-            raise ValueError(f"CSVLogger(separator=...) got {separator!r}; expected one "
-                             "character such as ',' or '\\t'.")
-        self.filename = os.fspath(filename)
+            fail("CSVLogger(separator=...)", separator, "one character such as ',' or '\\t'",
+                 error=TypeError if not isinstance(separator, str) else ValueError)
         self.separator = separator
         self.append = bool(append)
         self.keys: list[str] | None = None  # the header, "epoch" first

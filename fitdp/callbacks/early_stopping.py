@@ -4,14 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fitdp.callbacks._monitor import (
-    check_count,
-    check_number,
-    is_improvement,
-    monitor_value,
-    resolve_mode,
-)
+from fitdp.callbacks._monitored_value import is_improvement, monitor_value, resolve_mode
 from fitdp.callbacks.base import Callback
+from fitdp.validate import check_int, check_number
 
 
 class EarlyStopping(Callback):
@@ -36,6 +31,8 @@ class EarlyStopping(Callback):
         verbose: 1 prints when it stops and when it restores.
 
     Raises:
+        TypeError: `patience` or `start_from_epoch` is not an int, `min_delta` or `baseline`
+            not a number.
         ValueError: a negative `min_delta`/`patience`/`start_from_epoch` or a bad `mode`.
 
     Example:
@@ -44,6 +41,8 @@ class EarlyStopping(Callback):
         'min'
     """
 
+    needs_batch_logs = False  # epoch logs only
+
     def __init__(self, monitor: str = "val_loss", min_delta: float = 0, patience: int = 0,
                  mode: str = "auto", baseline: float | None = None,
                  restore_best_weights: bool = False, start_from_epoch: int = 0,
@@ -51,16 +50,20 @@ class EarlyStopping(Callback):
         super().__init__()
         self.monitor = monitor
         self.mode = resolve_mode(monitor, mode, "EarlyStopping")
-        self.min_delta = check_number("min_delta", min_delta, "EarlyStopping", low=0)
-        self.patience = check_count("patience", patience, "EarlyStopping", minimum=0)
-        self.baseline = None if baseline is None else check_number("baseline", baseline,
-                                                                   "EarlyStopping")
+        self.min_delta = check_number("EarlyStopping(min_delta=...)", min_delta, low=0)
+        self.patience = check_int("EarlyStopping(patience=...)", patience, 0)
+        self.baseline = None if baseline is None else check_number(
+            "EarlyStopping(baseline=...)", baseline)
         self.restore_best_weights = bool(restore_best_weights)
-        self.start_from_epoch = check_count("start_from_epoch", start_from_epoch,
-                                            "EarlyStopping", minimum=0)
+        self.start_from_epoch = check_int("EarlyStopping(start_from_epoch=...)",
+                                          start_from_epoch, 0)
         self.verbose = verbose
-        self._restored = False
         self._reset()
+
+    @property
+    def state_key(self) -> str:
+        """`EarlyStopping[<monitor>]`."""
+        return f"EarlyStopping[{self.monitor}]"
 
     def _reset(self) -> None:
         self.wait = 0
@@ -70,10 +73,8 @@ class EarlyStopping(Callback):
         self.best_weights: dict[str, Any] | None = None
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
-        # Instances may be reused across fits, except right after a resume loaded their state.
-        if not self._restored:
-            self._reset()
-        self._restored = False
+        # A new fit starts over (Keras); a resumed one loads its state after this.
+        self._reset()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         current = monitor_value(logs, self.monitor, "EarlyStopping")
@@ -112,10 +113,9 @@ class EarlyStopping(Callback):
                 "best_epoch": self.best_epoch, "best_weights": self.best_weights}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a resumed run; the next `on_train_begin` keeps this state."""
+        """Continue a resumed run (called after `on_train_begin`)."""
         self.wait = int(state["wait"])
         self.stopped_epoch = int(state["stopped_epoch"])
         self.best = None if state["best"] is None else float(state["best"])
         self.best_epoch = int(state["best_epoch"])
         self.best_weights = state.get("best_weights")
-        self._restored = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fitdp.callbacks.base import Callback
+from fitdp.validate import fail
 
 
 class History(Callback):
@@ -22,25 +23,25 @@ class History(Callback):
         ([1.0], [0])
     """
 
+    needs_batch_logs = False  # epoch logs only
+
     def __init__(self) -> None:
         super().__init__()
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
-        self._restored = False
         self._last_logs: dict[str, float] | None = None
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
-        # A reused History starts over, unless a resumed run just loaded its state.
-        if not self._restored:
-            self.history, self.epoch = {}, []
-        self._restored = False
+        # A reused History starts over; a resumed fit loads its state after this.
+        self.history, self.epoch = {}, []
+        self._last_logs = None
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         self.epoch.append(int(epoch))
         for key, value in (logs or {}).items():
             self.history.setdefault(key, []).append(float(value))
         # History runs first (so checkpoints hold this epoch); keys that later callbacks add
-        # to the same logs dict, such as "lr", are picked up by `_backfill`.
+        # to the same logs dict are picked up by `_backfill`.
         self._last_logs = logs
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, float] | None = None) -> None:
@@ -63,10 +64,9 @@ class History(Callback):
                 "epoch": list(self.epoch)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a resumed run's history; the next `on_train_begin` keeps it."""
+        """Continue a resumed run's history (called after `on_train_begin`)."""
         self.history = {k: [float(x) for x in v] for k, v in state["history"].items()}
         self.epoch = [int(e) for e in state["epoch"]]
-        self._restored = True
 
     def plot(self, path: str | None = None, keys: list[str] | None = None) -> Any:
         """Draw each quantity on its own subplot, train and `val_` curves together.
@@ -96,8 +96,8 @@ class History(Callback):
         keys = bases if keys is None else [keys] if isinstance(keys, str) else list(keys)
         missing = [k for k in keys if k not in bases]
         if missing or not keys:
-            raise ValueError(f"History.plot(keys=...) got {keys!r}; {missing} not recorded. "
-                             f"Expected a non-empty list drawn from {bases}.")
+            fail("History.plot(keys=...)", keys, f"a non-empty list drawn from {bases}",
+                 f"drop {missing}: never recorded" if missing else "")
         # Figure() without pyplot: no GUI backend, no global state, safe on headless machines.
         fig = Figure(figsize=(5 * len(keys), 3.6), layout="constrained")
         axes = fig.subplots(1, len(keys), squeeze=False)[0]

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fitdp.callbacks.base import HOOKS, Callback
+from fitdp.validate import fail
 
 _NAMES = HOOKS + ("on_batch_begin", "on_batch_end")
 
@@ -46,12 +47,12 @@ class LambdaCallback(Callback):
                      on_train_batch_end=on_train_batch_end)
         for name, fn in hooks.items():
             if name not in _NAMES:
-                raise TypeError(f"LambdaCallback got an unexpected keyword {name!r}; expected "
-                                f"hook names: {', '.join(_NAMES)}.")
+                fail(f"LambdaCallback({name}=...)", "an unknown keyword", "hook names: "
+                     + ", ".join(_NAMES), error=TypeError, described=True)
             if fn is None:
                 continue
             if not callable(fn):
-                raise TypeError(f"LambdaCallback({name}=...) got {fn!r}; expected a function "
-                                "with that hook's signature, or None.")
+                fail(f"LambdaCallback({name}=...)", fn,
+                     "a function with that hook's signature, or None", error=TypeError)
             # An instance attribute shadows the no-op method; the dispatcher sees it as set.
             setattr(self, name, fn)

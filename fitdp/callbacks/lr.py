@@ -6,24 +6,33 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from fitdp.callbacks._monitor import (
-    check_count,
-    check_number,
+from fitdp.callbacks._monitored_value import (
     is_finite,
     is_improvement,
     monitor_value,
     resolve_mode,
 )
 from fitdp.callbacks.base import Callback
+from fitdp.validate import check_int, check_number, fail
 
 
 def _optimizer(model: Any, owner: str) -> Any:
     """The model's optimizer, or a RuntimeError saying to compile first."""
-    opt = getattr(model, "optimizer", None)
+    opt = model.optimizer
     if opt is None:
         raise RuntimeError(f"{owner} changes the optimizer's learning rate, but the model has "
                            "no optimizer yet. Call model.compile(optimizer=...) before fit.")
     return opt
+
+
+def _refuse_compiled_scheduler(model: Any, owner: str) -> None:
+    """A ValueError when `compile(lr_scheduler=...)` also sets the rate: the two would fight
+    (each overwrites the other's rate) and the logged `lr` would depend on their order."""
+    scheduler = model.lr_scheduler
+    if scheduler is not None:
+        fail(f"callbacks ({owner})", f"a model compiled with lr_scheduler="
+             f"{type(scheduler).__name__}", "one thing that sets the learning rate",
+             f"drop {owner}, or compile without lr_scheduler", described=True)
 
 
 def _takes_lr(schedule: Callable[..., Any]) -> bool:
@@ -51,18 +60,20 @@ class LearningRateScheduler(Callback):
 
     Raises:
         TypeError: `schedule` is not callable.
-        ValueError: (at epoch begin) `schedule` returned something that is not a finite
-            number >= 0.
+        ValueError: (at train begin) the model was compiled with an `lr_scheduler`; (at epoch
+            begin) `schedule` returned something that is not a finite number >= 0.
 
     Example:
         >>> decay = LearningRateScheduler(lambda epoch, lr: lr * 0.9 if epoch >= 10 else lr)
     """
 
+    needs_batch_logs = False  # epoch hooks only
+
     def __init__(self, schedule: Callable[..., float], verbose: int = 0) -> None:
         super().__init__()
         if not callable(schedule):
-            raise TypeError(f"LearningRateScheduler(schedule=...) got {schedule!r}; expected a "
-                            "function schedule(epoch, lr) -> new lr.")
+            fail("LearningRateScheduler(schedule=...)", schedule,
+                 "a function schedule(epoch, lr) -> new lr", error=TypeError)
         self.schedule = schedule
         self.verbose = verbose
         self._with_lr = _takes_lr(schedule)
@@ -74,9 +85,12 @@ class LearningRateScheduler(Callback):
         except (TypeError, ValueError):
             value = float("nan")
         if not is_finite(value) or value < 0:
-            raise ValueError(f"LearningRateScheduler's schedule returned {new!r} for epoch "
-                             f"{epoch} (lr {lr}); expected a finite float >= 0.")
+            fail("LearningRateScheduler(schedule=...)", f"{new!r} returned for epoch {epoch} "
+                 f"(lr {lr:g})", "a finite number >= 0", described=True)
         return value
+
+    def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
+        _refuse_compiled_scheduler(self.model, "LearningRateScheduler")
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         groups = _optimizer(self.model, "LearningRateScheduler").param_groups
@@ -88,19 +102,14 @@ class LearningRateScheduler(Callback):
             print(f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to "
                   f"{', '.join(f'{v:g}' for v in new.values())}.")
 
-    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
-        if logs is not None:
-            logs["lr"] = float(_optimizer(self.model, "LearningRateScheduler")
-                               .param_groups[0]["lr"])
-
 
 class ReduceLROnPlateau(Callback):
     """Multiplies the learning rate by `factor` when `monitor` stops improving (Keras).
 
     After `patience` epochs without an improvement larger than `min_delta`, every parameter
     group whose rate is above `min_lr` gets `max(lr * factor, min_lr)`; then `cooldown` epochs
-    pass before the wait counts again. The rate in use (first group) is added to the epoch logs
-    as `"lr"`.
+    pass before the wait counts again. The epoch logs' `"lr"` (put there by the model) is the
+    rate the epoch trained with, before any reduction at its end.
 
     Args:
         monitor: the log key to watch.
@@ -113,31 +122,38 @@ class ReduceLROnPlateau(Callback):
         verbose: 1 prints each reduction.
 
     Raises:
+        TypeError: a non-number `factor`, `min_delta` or `min_lr`, a non-int `patience` or
+            `cooldown`.
         ValueError: `factor` outside [0, 1), a negative `patience`, `cooldown`, `min_delta` or
-            `min_lr`, or a bad `mode`.
+            `min_lr`, or a bad `mode`; (at train begin) the model was compiled with an
+            `lr_scheduler`.
 
     Example:
         >>> plateau = ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=2, min_lr=1e-5)
     """
 
+    needs_batch_logs = False  # epoch hooks only
+
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10,
                  mode: str = "auto", min_delta: float = 1e-4, cooldown: int = 0,
                  min_lr: float = 0.0, verbose: int = 0) -> None:
         super().__init__()
-        owner = "ReduceLROnPlateau"
         self.monitor = monitor
-        self.mode = resolve_mode(monitor, mode, owner)
-        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor >= 1.0:
-            raise ValueError(f"{owner}(factor=...) got {factor!r}; factor >= 1 would not reduce "
-                             "the learning rate. Expected 0 <= factor < 1, e.g. 0.1 or 0.5.")
-        self.factor = check_number("factor", factor, owner, low=0, high=1, high_open=True)
-        self.patience = check_count("patience", patience, owner, minimum=0)
-        self.min_delta = check_number("min_delta", min_delta, owner, low=0)
-        self.cooldown = check_count("cooldown", cooldown, owner, minimum=0)
-        self.min_lr = check_number("min_lr", min_lr, owner, low=0)
+        self.mode = resolve_mode(monitor, mode, "ReduceLROnPlateau")
+        self.factor = check_number("ReduceLROnPlateau(factor=...)", factor, low=0, high=1,
+                                   high_open=True, fix="factor >= 1 would not reduce the rate; "
+                                   "pass e.g. 0.1 or 0.5")
+        self.patience = check_int("ReduceLROnPlateau(patience=...)", patience, 0)
+        self.min_delta = check_number("ReduceLROnPlateau(min_delta=...)", min_delta, low=0)
+        self.cooldown = check_int("ReduceLROnPlateau(cooldown=...)", cooldown, 0)
+        self.min_lr = check_number("ReduceLROnPlateau(min_lr=...)", min_lr, low=0)
         self.verbose = verbose
-        self._restored = False
         self._reset()
+
+    @property
+    def state_key(self) -> str:
+        """`ReduceLROnPlateau[<monitor>]`."""
+        return f"ReduceLROnPlateau[{self.monitor}]"
 
     def _reset(self) -> None:
         self.best: float | None = None
@@ -149,27 +165,24 @@ class ReduceLROnPlateau(Callback):
         return self.cooldown_counter > 0
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
-        # Keras resets per fit; a resume that just loaded the state keeps it.
-        if not self._restored:
-            self._reset()
-        self._restored = False
+        # Keras resets per fit; a resumed fit loads its state after this.
+        _refuse_compiled_scheduler(self.model, "ReduceLROnPlateau")
+        self._reset()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
-        groups = _optimizer(self.model, "ReduceLROnPlateau").param_groups
         current = monitor_value(logs, self.monitor, "ReduceLROnPlateau")
-        if current is not None:
-            if self.in_cooldown():
-                self.cooldown_counter -= 1
-                self.wait = 0
-            if is_improvement(current, self.best, self.mode, self.min_delta):
-                self.best = current
-                self.wait = 0
-            elif not self.in_cooldown():
-                self.wait += 1
-                if self.wait >= self.patience:
-                    self._reduce(epoch, groups)
-        if logs is not None:
-            logs["lr"] = float(groups[0]["lr"])
+        if current is None:
+            return
+        if self.in_cooldown():
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if is_improvement(current, self.best, self.mode, self.min_delta):
+            self.best = current
+            self.wait = 0
+        elif not self.in_cooldown():
+            self.wait += 1
+            if self.wait >= self.patience:
+                self._reduce(epoch, _optimizer(self.model, "ReduceLROnPlateau").param_groups)
 
     def _reduce(self, epoch: int, groups: list[dict[str, Any]]) -> None:
         reduced = False
@@ -190,8 +203,7 @@ class ReduceLROnPlateau(Callback):
         return {"best": self.best, "wait": self.wait, "cooldown_counter": self.cooldown_counter}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a resumed run; the next `on_train_begin` keeps this state."""
+        """Continue a resumed run (called after `on_train_begin`)."""
         self.best = None if state["best"] is None else float(state["best"])
         self.wait = int(state["wait"])
         self.cooldown_counter = int(state["cooldown_counter"])
-        self._restored = True

@@ -1,4 +1,4 @@
-"""`ModelCheckpoint`: save the model every epoch or N steps, optionally only when it improves."""
+"""`ModelCheckpoint`: save the model every epoch or N batches, optionally only when it improves."""
 
 from __future__ import annotations
 
@@ -8,83 +8,120 @@ import string
 import warnings
 from typing import Any
 
-from fitdp.callbacks._monitor import (
-    check_count,
-    check_save_freq,
+from fitdp.callbacks._monitored_value import (
     is_finite,
     is_improvement,
     monitor_value,
     resolve_mode,
-    step_save_due,
 )
+from fitdp.callbacks._save_freq import BatchCounter, check_save_freq
 from fitdp.callbacks.base import Callback
+from fitdp.validate import check_int, check_number, fail
 
 
 class ModelCheckpoint(Callback):
-    """Saves full checkpoints with `model.save`, Keras style.
+    """Saves full checkpoints with `model.save` (or weights only), Keras style.
 
     `filepath` is formatted at each save with `epoch` (1-based, as in Keras), `step` (the
-    optimizer steps done, `model.global_step`), `batch` (1-based, step-based saves only) and
-    every key of the logs: `"ckpt-{epoch:02d}-{val_loss:.3f}.ckpt"`. A save is skipped with a
-    warning when the monitored value or the loss is NaN/inf, or when any weight is non-finite,
-    so a diverged run never overwrites a good checkpoint. Only the main process writes.
+    optimizer steps done, `model.global_step`), `batch` (1-based, step-frequency saves only)
+    and every key of the logs of the epoch or batch saved, for example
+    `"ckpt-{epoch:02d}-{val_loss:.3f}.ckpt"` or `"c-{epoch}-{batch}-{loss:.3f}.ckpt"`. A save
+    is skipped with a warning when the monitored value or the loss is NaN/inf, or when any
+    weight is non-finite, so a diverged run never overwrites a good checkpoint. Only the main
+    process writes.
 
     Args:
         filepath: path template, `str.format` style with named fields only.
         monitor: the log key compared for `save_best_only` and tracked in `best`.
         mode: "min", "max" or "auto" (max for keys naming accuracy, AUC, precision, recall,
             F1 and similar scores; min otherwise and for anything naming a loss or error).
-        save_best_only: save only when `monitor` improves on the best value so far.
-        save_freq: "epoch" (at each epoch end) or an int N (every N optimizer steps).
+        save_best_only: save only when `monitor` improves on the best value so far. When
+            `monitor` is missing from the logs it warns and saves (Keras).
+        save_freq: "epoch" (at each epoch end) or an int N: every N training batches this
+            callback has seen (Keras; counted across epochs, restarted by each fit).
         keep: keep only the newest `keep` files this callback wrote; an old file is removed
-            only after the new one is complete. None keeps all.
+            only after a newer one is complete (durable). None keeps all.
         verbose: 1 prints a line for each save.
+        save_weights_only: save with `model.save_weights` (weights only, no optimizer state:
+            such files cannot resume a run, so `latest_checkpoint()` ignores them).
+        initial_value_threshold: the `best` value to beat before the first save with
+            `save_best_only` (Keras).
+        async_save: `model.save(path, async_save=True)`: the step copies the state to host
+            memory and training goes on while a background thread writes it.
 
     Raises:
-        TypeError: `filepath` is not a string or path.
-        ValueError: a bad `mode`, `save_freq`, `keep`, or a `filepath` with positional fields.
+        TypeError: `filepath` is not a string or path; `keep` is not an int.
+        ValueError: a bad `mode`, `save_freq`, `keep` or `initial_value_threshold`, a
+            `filepath` with positional fields, or `async_save` with `save_weights_only`.
 
     Example:
         >>> ckpt = ModelCheckpoint("runs/ckpt-{epoch:02d}-{val_loss:.3f}.ckpt",
         ...                        save_best_only=True, keep=3)
-        >>> ckpt.mode
-        'min'
+        >>> ckpt.mode, ckpt.state_key
+        ('min', 'ModelCheckpoint[runs/ckpt-{epoch:02d}-{val_loss:.3f}.ckpt]')
     """
 
     def __init__(self, filepath: str | os.PathLike[str], monitor: str = "val_loss",
                  mode: str = "auto", save_best_only: bool = False,
                  save_freq: str | int = "epoch", keep: int | None = None,
-                 verbose: int = 0) -> None:
+                 verbose: int = 0, *, save_weights_only: bool = False,
+                 initial_value_threshold: float | None = None,
+                 async_save: bool = False) -> None:
         super().__init__()
         if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
-            raise TypeError(f"ModelCheckpoint(filepath=...) got {filepath!r}; expected a "
-                            "non-empty path such as 'runs/ckpt-{epoch:02d}.ckpt'.")
+            fail("ModelCheckpoint(filepath=...)", filepath,
+                 "a non-empty path such as 'runs/ckpt-{epoch:02d}.ckpt'", error=TypeError)
         self.filepath = os.fspath(filepath)
         self._fields = _named_fields(self.filepath)
         self.monitor = monitor
         self.mode = resolve_mode(monitor, mode, "ModelCheckpoint")
         self.save_best_only = bool(save_best_only)
-        self.save_freq = check_save_freq(save_freq, "ModelCheckpoint")
-        self.keep = None if keep is None else check_count("keep", keep, "ModelCheckpoint")
+        self.save_freq = check_save_freq(save_freq, "ModelCheckpoint", "training batches")
+        self.keep = None if keep is None else check_int("ModelCheckpoint(keep=...)", keep, 1)
         self.verbose = verbose
-        self.best: float | None = None
+        self.save_weights_only = bool(save_weights_only)
+        self.async_save = bool(async_save)
+        if self.async_save and self.save_weights_only:
+            fail("ModelCheckpoint(async_save=...)", True, "False with save_weights_only=True",
+                 "async_save writes full checkpoints; drop one of the two")
+        self.initial_value_threshold = None if initial_value_threshold is None else \
+            check_number("ModelCheckpoint(initial_value_threshold=...)",
+                         initial_value_threshold)
+        # Step-frequency saves name and judge the step they save by its exact logs.
+        self.needs_batch_logs = self.save_freq != "epoch"
+        self.best: float | None = self.initial_value_threshold
         self._written: list[str] = []
-        self._last_step = 0
+        self._pending: str | None = None  # an async save not known to be durable yet
+        self._counter = BatchCounter(self.save_freq if self.save_freq != "epoch" else 1)
+        self._epoch = 0
+
+    @property
+    def state_key(self) -> str:
+        """`ModelCheckpoint[<filepath>]`."""
+        return f"ModelCheckpoint[{self.filepath}]"
+
+    def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
+        # `best` carries over between fits, as in Keras; the batch count restarts.
+        self._counter.reset()
         self._epoch = 0
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         self._epoch = epoch
 
     def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
-        step = int(self.model.global_step)
-        if step_save_due(self.save_freq, step, self._last_step):
-            self._last_step = step
+        if self.save_freq != "epoch" and self._counter.due(batch):
             self._save(logs, batch)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         self._epoch = epoch
         if self.save_freq == "epoch":
             self._save(logs, None)
+
+    def on_train_end(self, logs: dict[str, float] | None = None) -> None:
+        if self._pending is not None:
+            self.model.wait_for_saves()  # raises the error of a failed background save
+            self._pending = None
+            self._prune()
 
     def _save(self, logs: dict[str, float] | None, batch: int | None) -> None:
         """Save unless something is non-finite or (`save_best_only`) nothing improved."""
@@ -96,39 +133,53 @@ class ModelCheckpoint(Callback):
             if key in logs and not is_finite(logs[key]):
                 warnings.warn(f"ModelCheckpoint skipped the save at {where}: {key} is "
                               f"{logs[key]}; a diverged model must not replace a good "
-                              "checkpoint.", RuntimeWarning, stacklevel=3)
+                              "checkpoint.", UserWarning, stacklevel=3)
                 return
         if self.save_best_only:
             current = monitor_value(logs, self.monitor, "ModelCheckpoint(save_best_only=True)")
         else:
             current = float(logs[self.monitor]) if self.monitor in logs else None
         improved = current is not None and is_improvement(current, self.best, self.mode, 0.0)
-        if self.save_best_only and not improved:
+        if self.save_best_only and current is not None and not improved:
             return
         bad = self.model.nonfinite_weights()
         if bad:
             warnings.warn(f"ModelCheckpoint skipped the save at {where}: non-finite values in "
                           f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}.",
-                          RuntimeWarning, stacklevel=3)
+                          UserWarning, stacklevel=3)
             return
         path = self._format(logs, batch)
         folder = os.path.dirname(path)
         if folder:
             os.makedirs(folder, exist_ok=True)
-        self.model.save(path)
+        if improved:
+            self.best = current
+        # Listed before saving, so the checkpoint's own copy of this state lists its file.
+        if path in self._written:
+            self._written.remove(path)
+        self._written.append(path)
+        self._write(path)
         if self.verbose:
             print(f"{where.capitalize()}: saved {path}"
                   + (f" ({self.monitor} = {current:.4g})" if current is not None else ""))
-        if improved:
-            self.best = current
-        self._remember(path)
+        self._prune()
+
+    def _write(self, path: str) -> None:
+        """One save; an async one makes the previous async save durable (one in flight)."""
+        if self.save_weights_only:
+            self.model.save_weights(path)
+        elif self.async_save:
+            self.model.save(path, async_save=True)
+            self._pending = path
+        else:
+            self.model.save(path)
 
     def _format(self, logs: dict[str, float], batch: int | None) -> str:
         """The file name for this save; a missing field is a KeyError naming the choices."""
         values: dict[str, Any] = {**logs, "epoch": self._epoch + 1,
                                   "step": int(getattr(self.model, "global_step", 0))}
         if batch is not None:
-            values["batch"] = batch + 1
+            values.setdefault("batch", batch + 1)
         missing = [f for f in self._fields if f not in values]
         if missing:
             raise KeyError(f"ModelCheckpoint(filepath={self.filepath!r}) uses {{{missing[0]}}}, "
@@ -138,17 +189,16 @@ class ModelCheckpoint(Callback):
         try:
             return self.filepath.format(**values)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"ModelCheckpoint(filepath={self.filepath!r}) could not be "
-                             f"formatted with {values}: {e}. Fix the format spec (epoch, step "
-                             "and batch are ints, log values are floats).") from e
+            fail("ModelCheckpoint(filepath=...)", self.filepath, f"format specs that fit "
+                 f"{values} ({e})", "epoch, step and batch are ints, log values are floats")
 
-    def _remember(self, path: str) -> None:
-        """Record a complete file, then prune the oldest beyond `keep` (never the new one)."""
-        if path in self._written:
-            self._written.remove(path)
-        self._written.append(path)
-        while self.keep is not None and len(self._written) > self.keep:
-            old = self._written.pop(0)
+    def _prune(self) -> None:
+        """Remove the oldest files beyond `keep`, counting only durable ones: a file goes
+        only once `keep` newer files are complete."""
+        durable = [p for p in self._written if p != self._pending]
+        while self.keep is not None and len(durable) > self.keep:
+            old = durable.pop(0)
+            self._written.remove(old)
             try:
                 os.remove(old)
             except FileNotFoundError:
@@ -158,8 +208,11 @@ class ModelCheckpoint(Callback):
         """The newest complete file this callback wrote, else the newest matching on disk.
 
         The disk search globs `filepath` with every field as `*`, so it also finds files a
-        previous run with the same `filepath` wrote. Returns None when there is none.
+        previous run with the same `filepath` wrote. Returns None when there is none, and
+        with `save_weights_only` (weights files cannot resume a run).
         """
+        if self.save_weights_only:
+            return None
         for path in reversed(self._written):
             if os.path.isfile(path):
                 return path
@@ -167,14 +220,16 @@ class ModelCheckpoint(Callback):
         return max(found, key=os.path.getmtime) if found else None
 
     def state_dict(self) -> dict[str, Any]:
-        """Best value, files kept and last step saved (plain types: `weights_only` loads it)."""
-        return {"best": self.best, "files": list(self._written), "last_step": self._last_step}
+        """Best value, files kept and the batch count (plain types: `weights_only` loads it)."""
+        return {"best": self.best, "files": list(self._written),
+                "batches": self._counter.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a resumed run: comparisons and pruning pick up where they stopped."""
+        """Continue a resumed run: comparisons, pruning and the save cadence pick up where
+        they stopped."""
         self.best = None if state.get("best") is None else float(state["best"])
         self._written = [str(p) for p in state.get("files", [])]
-        self._last_step = int(state.get("last_step", 0))
+        self._counter.load_state_dict(state.get("batches", {}))
 
 
 def _named_fields(filepath: str) -> list[str]:
@@ -182,16 +237,16 @@ def _named_fields(filepath: str) -> list[str]:
     try:
         parsed = list(string.Formatter().parse(filepath))
     except ValueError as e:
-        raise ValueError(f"ModelCheckpoint(filepath={filepath!r}) is not a valid format "
-                         f"string: {e}. Double literal braces ({{{{ and }}}}).") from e
+        fail("ModelCheckpoint(filepath=...)", filepath, f"a valid format string ({e})",
+             "double literal braces ({{ and }})")
     names = []
     for _, field, _, _ in parsed:
         if field is None:
             continue
         name = field.split(".")[0].split("[")[0]
         if not name or name.isdigit():
-            raise ValueError(f"ModelCheckpoint(filepath={filepath!r}) has a positional field "
-                             "{}; expected named ones such as {epoch:02d} or {val_loss:.3f}.")
+            fail("ModelCheckpoint(filepath=...)", filepath,
+                 "named fields such as {epoch:02d} or {val_loss:.3f}, not positional ones {}")
         names.append(name)
     return names
 

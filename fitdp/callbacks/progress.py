@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import time
 from typing import Any
 
-from fitdp.callbacks._monitor import check_count
+from fitdp.callbacks._log_format import log_items, take_fitting, wrap
 from fitdp.callbacks.base import Callback
+from fitdp.validate import check_choice, check_int
 
 logger = logging.getLogger("fitdp")
 
-
-def format_value(value: float) -> str:
-    """Keras's number format: 4 decimals, or scientific notation for tiny values."""
-    return f"{value:.4f}" if value == 0 or abs(value) > 1e-3 else f"{value:.4e}"
-
-
-def format_logs(logs: dict[str, float] | None) -> str:
-    """`loss: 0.1234 - multiclass_accuracy: 0.9612`, keys in the order the logs give them."""
-    return " - ".join(f"{k}: {format_value(float(v))}" for k, v in (logs or {}).items())
+_POSTFIX_EVERY = 0.2  # seconds between postfix updates: formatting costs more than a small step
+_MIN_BAR = 4  # columns the live bar keeps when the logs beside it need the room
 
 
 def _rate(steps: int, seconds: float) -> str:
@@ -28,15 +23,25 @@ def _rate(steps: int, seconds: float) -> str:
     return f"{rate:.0f}" if rate >= 10 else f"{rate:.2f}"
 
 
+def _columns() -> int:
+    """The terminal's width (`COLUMNS` when set; 80 when there is no terminal)."""
+    return shutil.get_terminal_size((80, 24)).columns
+
+
 class ProgressBar(Callback):
     """Shows training progress: a tqdm bar per epoch on a terminal, else one line per epoch.
 
     On a terminal (`sys.stdout.isatty()`) with `verbose=1` each epoch gets a bar with steps/s,
-    ETA and the loss and metrics; validation metrics join at epoch end. Otherwise (a log file,
-    a CI job, or `verbose=2`) it prints exactly one line per epoch, Keras style:
-    `Epoch 3/10 - 12s - 45 steps/s - loss: 0.1234 - val_loss: 0.2345`. It is silent with
-    `verbose=0` and on every process but the main one. Standalone `evaluate`/`predict` get the
-    same treatment; validation inside `fit` is reported on the epoch line only.
+    ETA and the loss and metrics; what does not fit on the bar's line at the end of the epoch
+    (validation metrics, say) follows on indented lines. Otherwise (a log file, a CI job, or
+    `verbose=2`) it prints one line per epoch, Keras style:
+    `Epoch 3/10 - 12s - 45 steps/s - loss: 0.1234 - acc: 0.9612 - val_loss: 0.2345`.
+    Nothing is wider than the terminal (`COLUMNS`, 80 without one): long metric names are
+    shortened (`multiclass_accuracy` -> `acc`, see `docs/callbacks.md`), every number has 4
+    significant digits, and a line too long for the width wraps between items. A resumed fit
+    starts with `resumed from <file> at epoch e, step s`. It is silent with `verbose=0` and on
+    every process but the main one. Standalone `evaluate`/`predict` get the same treatment;
+    validation inside `fit` is reported on the epoch line only.
 
     Args:
         verbose: 0 (silent), 1 (bar on a terminal, lines otherwise), 2 (lines always), "auto"
@@ -50,21 +55,24 @@ class ProgressBar(Callback):
         >>> bar.set_params({"epochs": 2, "steps": 10})
         >>> bar.on_train_begin(); bar.on_epoch_begin(0)
         >>> bar.on_epoch_end(0, {"loss": 0.5})  # doctest: +ELLIPSIS
-        Epoch 1/2 - 0s - ... steps/s - loss: 0.5000
+        Epoch 1/2 - 0s - ... steps/s - loss: 0.5
     """
+
+    needs_batch_logs = False  # the bar shows batch logs throttled; a few batches old is fine
 
     def __init__(self, verbose: int | str | None = None) -> None:
         super().__init__()
-        if verbose not in (None, "auto", 0, 1, 2) or isinstance(verbose, bool):
-            raise ValueError(f"ProgressBar(verbose=...) got {verbose!r}; expected 0 (silent), "
-                             "1 (bar, or one line per epoch when not a terminal), 2 (one line "
-                             "per epoch), 'auto' or None (use fit's verbose).")
+        check_choice("ProgressBar(verbose=...)", verbose, (None, "auto", 0, 1, 2),
+                     "0 is silent, 1 a bar (lines when not a terminal), 2 one line per epoch, "
+                     "None takes fit's verbose")
         self.verbose = verbose
         self._bar: Any = None
         self._mode = "silent"
         self._in_fit = False
         self._t0 = self._last_postfix = 0.0
         self._steps = 0
+        self._width = 80
+        self._title = ""
 
     def _resolve_mode(self) -> str:
         """'bar', 'line' or 'silent', decided at the start of each run."""
@@ -78,11 +86,25 @@ class ProgressBar(Callback):
     def _start(self, desc: str, total: int | None) -> None:
         self._t0 = self._last_postfix = time.perf_counter()
         self._steps = 0
+        self._width = _columns()
         if self._mode == "bar":
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit="step", file=sys.stdout,
-                             dynamic_ncols=True, leave=True)
+                             ncols=self._width, leave=True)
+
+    def _postfix(self, items: list[str]) -> int:
+        """Show the leading `items` that fit beside the bar; return how many."""
+        from tqdm import tqdm
+
+        # The meter without postfix; the live bar is drawn 10 wide here and may shrink.
+        meter = dict(self._bar.format_dict, ncols=None, postfix=None)
+        fixed = len(tqdm.format_meter(**meter))
+        if self._bar.bar_format is None:
+            fixed -= 10 - _MIN_BAR
+        n = take_fitting(items, self._width - fixed - len(", "))
+        self._bar.set_postfix_str(" - ".join(items[:n]), refresh=False)
+        return n
 
     def _step(self, batch: int, logs: dict[str, float] | None) -> None:
         self._steps = batch + 1
@@ -90,26 +112,33 @@ class ProgressBar(Callback):
             return
         self._bar.update(1)
         now = time.perf_counter()
-        # Formatting the postfix costs more than the step of a small model: throttle it.
-        if logs and now - self._last_postfix >= 0.2:
+        if logs and now - self._last_postfix >= _POSTFIX_EVERY:
             self._last_postfix = now
-            self._bar.set_postfix_str(format_logs(logs), refresh=False)
+            self._postfix(log_items(logs))
 
     def _finish(self, title: str, logs: dict[str, float] | None) -> None:
         elapsed = time.perf_counter() - self._t0
+        items = log_items(logs)
         if self._bar is not None:
-            if logs:
-                self._bar.set_postfix_str(format_logs(logs), refresh=False)
+            # The finished epoch keeps a compact line (no bar, no ETA): room for the logs.
+            total = "/{total_fmt}" if self._bar.total is not None else " steps"
+            self._bar.bar_format = "{desc}: {n_fmt}" + total + " [{elapsed}, {rate_fmt}{postfix}]"
+            shown = self._postfix(items)
             self._bar.close()
             self._bar = None
+            if shown < len(items):
+                print("\n".join(wrap(items[shown:], self._width, "  ", "  ")), flush=True)
         elif self._mode == "line":
-            parts = [title, f"{elapsed:.0f}s", f"{_rate(self._steps, elapsed)} steps/s"]
-            text = format_logs(logs)
-            print(" - ".join(parts + ([text] if text else [])), flush=True)
+            head = [title, f"{elapsed:.0f}s", f"{_rate(self._steps, elapsed)} steps/s"]
+            print("\n".join(wrap(head + items, self._width)), flush=True)
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         self._in_fit = True
         self._mode = self._resolve_mode()
+        resumed = self.params.get("resumed")
+        if resumed and self._mode != "silent":
+            print(f"resumed from {resumed['path']} at epoch {int(resumed['epoch']) + 1}, "
+                  f"step {int(resumed['step'])}", flush=True)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         epochs = self.params.get("epochs")
@@ -164,17 +193,21 @@ class Speedometer(Callback):
         frequent: report every this many batches.
 
     Raises:
-        ValueError: `batch_size` or `frequent` is not a positive int.
+        TypeError: `batch_size` or `frequent` is not an int.
+        ValueError: `batch_size` or `frequent` is below 1.
 
     Example:
-        >>> import logging; logging.basicConfig(level=logging.INFO)
-        >>> speed = Speedometer(batch_size=32, frequent=50)
+        >>> speed = Speedometer(batch_size=32, frequent=50)  # INFO logs of the "fitdp" logger
+        >>> speed.needs_batch_logs
+        False
     """
+
+    needs_batch_logs = False  # logs the values every `frequent` batches; a few batches old is fine
 
     def __init__(self, batch_size: int, frequent: int = 50) -> None:
         super().__init__()
-        self.batch_size = check_count("batch_size", batch_size, "Speedometer")
-        self.frequent = check_count("frequent", frequent, "Speedometer")
+        self.batch_size = check_int("Speedometer(batch_size=...)", batch_size, 1)
+        self.frequent = check_int("Speedometer(frequent=...)", frequent, 1)
         self._tic = 0.0
         self._last = 0
         self._epoch = 0
