@@ -26,6 +26,35 @@ class DataDesc(NamedTuple):
     dtype: torch.dtype = torch.float32
     layout: str = "NT"
 
+    @property
+    def batch_axis(self) -> int:
+        """The axis of ``N`` in ``layout`` (MXNet's ``DataDesc.get_batch_axis``): 1 for
+        time-major ``"TNC"`` data, 0 when the layout names no batch axis."""
+        return batch_axis(self.layout)
+
+
+def batch_axis(layout: str | None) -> int:
+    """The batch axis of a layout string: the position of ``N`` (0 for None or no ``N``).
+
+    Example:
+        >>> batch_axis("TNC"), batch_axis("NCHW"), batch_axis(None)
+        (1, 0, 0)
+    """
+    return max(layout.find("N"), 0) if layout else 0
+
+
+def axis_of(t: torch.Tensor, axis: int) -> int:
+    """``axis`` for a tensor that has it; 0 for one with fewer dims (per-sample weights and
+    labels of time-major data are batch-first)."""
+    return axis if t.dim() > axis else 0
+
+
+def take_rows(tree: Any, rows: slice, axis: int = 0) -> Any:
+    """``rows`` of every tensor of ``tree`` along the batch ``axis``."""
+    if axis == 0:
+        return tree_map(lambda t: t[rows], tree)
+    return tree_map(lambda t: t[(slice(None),) * axis_of(t, axis) + (rows,)], tree)
+
 
 def tree_map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """Apply ``fn`` to every tensor of a tensor, tuple/list or dict of tensors."""
@@ -71,22 +100,23 @@ def tree_structure(tree: Any) -> Any:
     return ("?", type(tree).__name__)
 
 
-def tree_cat(trees: Sequence[Any]) -> Any:
-    """Concatenate a list of same-structure trees along dim 0."""
+def tree_cat(trees: Sequence[Any], axis: int = 0) -> Any:
+    """Concatenate a list of same-structure trees along the batch ``axis``."""
     first = trees[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(list(trees))
+        return torch.cat(list(trees), dim=axis_of(first, axis))
     if isinstance(first, Mapping):
-        return {k: tree_cat([t[k] for t in trees]) for k in first}
-    return type(first)(tree_cat([t[i] for t in trees]) for i in range(len(first)))
+        return {k: tree_cat([t[k] for t in trees], axis) for k in first}
+    return type(first)(tree_cat([t[i] for t in trees], axis) for i in range(len(first)))
 
 
-def batch_length(tree: Any) -> int:
-    """Number of samples (size of dim 0) of a tree of tensors."""
+def batch_length(tree: Any, axis: int = 0) -> int:
+    """Number of samples (size of the batch ``axis``) of a tree of tensors."""
     leaves = tree_leaves(tree)
     if not leaves:
         raise TypeError(f"a batch must hold at least one tensor, got {type(tree).__name__}")
-    return int(leaves[0].shape[0]) if leaves[0].dim() else 1
+    first = leaves[0]
+    return int(first.shape[axis_of(first, axis)]) if first.dim() else 1
 
 
 @dataclass
@@ -105,6 +135,9 @@ class DataBatch:
             the count, one more collective per step).
         sample_weight: optional per-row loss weights (Keras's ``sample_weight``), shape
             ``(rows,)``.
+        layout: the layout of the data and label tensors, as MXNet's ``DataDesc.layout``:
+            they are split across devices on the axis of ``N`` (``"TNC"``: time-major, axis
+            1); tensors with fewer dims split on axis 0. None: batch first.
 
     Raises:
         TypeError, ValueError: ``pad`` is not an int in ``[0, rows]``.
@@ -122,6 +155,12 @@ class DataBatch:
     index: torch.Tensor | None = None
     global_rows: int | None = None
     sample_weight: torch.Tensor | None = None
+    layout: str | None = None
+
+    @property
+    def axis(self) -> int:
+        """The batch axis of the data and labels (see ``layout``)."""
+        return batch_axis(self.layout)
 
     def __post_init__(self) -> None:
         pad = self.pad
@@ -135,14 +174,31 @@ class DataBatch:
             raise ValueError(f"DataBatch.pad: got {pad}; expected an int in [0, {rows}] (the "
                              f"batch has {rows} rows). Fix: pad counts padding rows at the end.")
 
+    def check_rows(self) -> None:
+        """Labels and sample weights must have one row per sample of the data.
+
+        Raises:
+            ValueError: naming both lengths.
+        """
+        rows, axis = self.batch_size, self.axis
+        for name, tree in (("label", self.label), ("sample_weight", self.sample_weight)):
+            for leaf in tree_leaves(tree):
+                got = leaf.shape[axis_of(leaf, axis)] if leaf.dim() else "a scalar"
+                if got != rows:
+                    raise ValueError(
+                        f"DataBatch.{name}: got {got} rows for data of {rows} rows; expected "
+                        f"one {name} row per sample. Fix: pass data and {name} of the same "
+                        f"length."
+                    )
+
     @property
     def batch_size(self) -> int:
-        return batch_length(self.data)
+        return batch_length(self.data, self.axis)
 
     @property
     def provide_data(self) -> list[DataDesc]:
         return [
-            DataDesc(n, tuple(t.shape), t.dtype)
+            DataDesc(n, tuple(t.shape), t.dtype, self.layout or "NT")
             for n, t in zip(tree_names(self.data, "data"), tree_leaves(self.data))
         ]
 

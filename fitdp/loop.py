@@ -48,12 +48,14 @@ def run_batches(
     return done
 
 
-def assemble(rows: list[tuple[int, Any, Any]], rank: int, world_size: int) -> Any:
+def assemble(rows: list[tuple[int, Any, Any]], rank: int, world_size: int, axis: int = 0
+             ) -> Any:
     """Predict's rows in input order (from every rank under torch.distributed).
 
     ``rows`` holds ``(step, sample indices or None, outputs)``. A rank's step ``s`` holds
     global batch ``s * world_size + rank`` (round-robin sharding); batches that carry sample
-    indices (tensors, BucketIterator) are put back by index.
+    indices (tensors, BucketIterator) are put back by index. Rows join along the batch
+    ``axis`` (1 for time-major data).
     """
     keyed = [(s * world_size + rank, i, r) for s, i, r in rows]
     if world_size > 1:
@@ -61,7 +63,7 @@ def assemble(rows: list[tuple[int, Any, Any]], rank: int, world_size: int) -> An
     keyed = [k for k in keyed if k[2] is not None]
     if not keyed:
         raise ValueError("x: got no samples to predict on; expected at least one")
-    result = tree_cat([r for _, _, r in keyed])
+    result = tree_cat([r for _, _, r in keyed], axis)
     if all(i is not None for _, i, _ in keyed):
         order = torch.argsort(torch.cat([i for _, i, _ in keyed]))
         result = tree_map(lambda t: t[order], result)

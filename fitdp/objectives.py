@@ -61,6 +61,17 @@ class Loss:
         per = per.reshape(per.shape[0], -1).mean(1) if per.dim() > 1 else per
         return (per * weight.to(per.dtype)).mean()
 
+    def counts(self, targets: Any) -> torch.Tensor | None:
+        """What this loss's batch mean divides by when it is not the rows: the targets it
+        does not ignore (weighted by class weight), for class-index losses; else None."""
+        ignore, weight = _ignore_index(self.spec), getattr(self.spec, "weight", None)
+        if ignore is None or not isinstance(targets, torch.Tensor) or targets.is_floating_point():
+            return None
+        kept = targets != ignore
+        if isinstance(weight, torch.Tensor):
+            return (weight.to(targets.device)[targets.clamp(min=0)] * kept).sum()
+        return kept.sum()
+
     def no_weights_message(self) -> str:
         return (f"{self.name}: got {self.spec!r}, which only gives the batch mean; sample_weight"
                 f" and class_weight need per-sample losses. Fix: use a named loss or an "
@@ -82,11 +93,7 @@ class Loss:
     def label_problem(self, outputs: Any, targets: Any) -> str | None:
         """For class-index losses: the first target outside ``[0, classes)`` (the ignore
         index excepted), given outputs of the model; None when all are in range."""
-        ignore = None
-        if self.spec == "cross_entropy":
-            ignore = -100
-        elif isinstance(self.spec, (nn.CrossEntropyLoss, nn.NLLLoss)):
-            ignore = self.spec.ignore_index
+        ignore = _ignore_index(self.spec)
         if ignore is None or not isinstance(outputs, torch.Tensor):
             return None
         if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
@@ -135,6 +142,11 @@ class Objective:
     def supports_sample_weight(self) -> bool:
         return all(loss.per_sample is not None for loss in self.losses)
 
+    def counts(self, targets: Any) -> torch.Tensor | None:
+        """The counted targets of a single loss without weights (see ``Loss.counts``); None
+        (mean over rows) for several losses or sample weights."""
+        return self.losses[0].counts(targets) if self.single else None
+
     def no_weights_message(self) -> str:
         return next(loss.no_weights_message() for loss in self.losses if loss.per_sample is None)
 
@@ -166,6 +178,15 @@ class Objective:
             if problem:
                 return f"{loss.name}: {problem}"
         return None
+
+
+def _ignore_index(spec: Any) -> int | None:
+    """The ignore index of a class-index loss (torch's default -100), else None."""
+    if isinstance(spec, str):
+        return -100 if spec == "cross_entropy" else None
+    if isinstance(spec, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return int(spec.ignore_index)
+    return None
 
 
 def _loss_weights(weights: Any, keys: list[Any] | None) -> list[float] | None:

@@ -185,19 +185,22 @@ class Session:
         self.run.stop_predicting = False
         source.set_epoch(0)
         rows: list[tuple[int, Any, Any]] = []
+        axes: set[int] = set()
         to_host = _host_copier(self.replicas)
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
             self._run(batch, is_train=False)
             outs = [tree_map(to_host, o) for o in self.mgr.outputs()]
-            rows.append((index, batch.index, tree_cat(outs) if outs else None))
+            rows.append((index, batch.index, tree_cat(outs, batch.axis) if outs else None))
+            axes.add(batch.axis)
             return {}
 
         callbacks.call("on_predict_begin", {})
         run_batches(itertools.islice(source, steps), callbacks, PREDICT, step,
                     lambda: self.run.stop_predicting)
         callbacks.call("on_predict_end", {})
-        return assemble(rows, self.plan.info.rank, self.plan.info.world_size)
+        return assemble(rows, self.plan.info.rank, self.plan.info.world_size,
+                        axes.pop() if len(axes) == 1 else 0)
 
     # -- shared by every call -------------------------------------------------------------
 
@@ -254,10 +257,9 @@ class Session:
         """Mean loss and every metric since the last reset (the one host sync)."""
         total, count = self.mgr.loss_state()
         if self.mgr.distributed:
-            both = torch.stack([total.double().reshape(()),
-                                torch.tensor(float(count)).to(total)])
-            total, count = all_reduce_sum(both)
-        logs = {"loss": float(total) / float(count)} if count else {}
+            total, count = all_reduce_sum(torch.stack([total, count]))
+        rows = float(count)
+        logs = {"loss": float(total) / rows} if rows else {}
         if self.metrics:
             logs.update(self.metrics.compute())
         return logs

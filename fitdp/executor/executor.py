@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.batch import tree_leaves, tree_map, tree_names
+from fitdp.batch import batch_length, take_rows, tree_leaves, tree_map, tree_names
 
 # (outputs, targets) -> scalar mean loss; called (outputs, targets, sample_weight) when the
 # batch carries per-sample weights.
@@ -82,6 +82,7 @@ class Executor:
         *,
         compile: bool = False,
         warn_on_grow: bool = False,
+        inputs_need_grad: bool = False,
     ) -> None:
         self.module = module
         self.warn_on_grow = warn_on_grow
@@ -91,6 +92,8 @@ class Executor:
             compile_replica(module, f"fitdp_executor_{device.type}") if compile else module
         )
         self.compiled = compile
+        self.inputs_need_grad = inputs_need_grad
+        self.grad_inputs: Any = None  # the inputs autograd tracked (inputs_need_grad)
         self.signatures: set[Hashable] = set()  # input signatures compiled so far
         self.grown: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -99,11 +102,12 @@ class Executor:
         self.weights: torch.Tensor | None = None
         self.rows = 0
         self.valid = 0
+        self.axis = 0
         self.outputs: Any = None
         self.loss: torch.Tensor | None = None
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.loss_count = 0
-        self.pending_losses: list[tuple[torch.Tensor, int]] = []
+        self.loss_count = torch.zeros((), dtype=torch.float64, device=device)
+        self.pending_losses: list[tuple[torch.Tensor, int | torch.Tensor]] = []
 
     def stream_context(self) -> contextlib.AbstractContextManager[Any]:
         """Run on this executor's CUDA stream (a no-op on the CPU)."""
@@ -126,14 +130,16 @@ class Executor:
         self._buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
         self.grown.clear()  # asked for, not a bucket outgrowing its buffer: no warning
 
-    def load(self, data: Any, label: Any, valid: int, weight: torch.Tensor | None = None) -> None:
+    def load(self, data: Any, label: Any, valid: int, weight: torch.Tensor | None = None,
+             axis: int = 0) -> None:
         """Copy this device's slice of the batch (and its per-sample loss weights, if any)
-        into the input buffers (non-blocking)."""
+        into the input buffers (non-blocking); ``axis`` is the batch axis."""
         with self.stream_context():
             self.inputs = self._stage(data, "data")
             self.labels = None if label is None else self._stage(label, "label")
             self.weights = None if weight is None else self._stage(weight, "weight")
-        self.rows = int(data.shape[0]) if isinstance(data, torch.Tensor) else _rows(self.inputs)
+        self.axis = axis
+        self.rows = batch_length(self.inputs, axis) if tree_leaves(self.inputs) else 0
         self.valid = valid
 
     def _stage(self, tree: Any, prefix: str) -> Any:
@@ -155,8 +161,13 @@ class Executor:
         loss_fn: LossFn | None = None,
         weight: float | torch.Tensor = 1.0,
         autocast_dtype: torch.dtype | None = None,
+        count: int | torch.Tensor | None = None,
     ) -> Any:
-        """Run the replica on its slice; with labels and ``loss_fn``, compute the weighted loss."""
+        """Run the replica on its slice; with labels and ``loss_fn``, compute the weighted loss.
+
+        ``count`` is what the slice's mean loss divides by (default: its valid rows; the
+        non-ignored targets of a loss with an ignore index): the logged loss weighs each
+        slice by it."""
         autocast = (
             torch.autocast(self.device.type, dtype=autocast_dtype)
             if autocast_dtype is not None
@@ -181,7 +192,7 @@ class Executor:
                         f"(the mean over the batch). Fix: reduce with .mean() or use "
                         f"reduction='mean'."
                     )
-                self.pending_losses.append((loss.detach(), self.valid))
+                self.pending_losses.append((loss.detach(), self.valid if count is None else count))
                 if len(self.pending_losses) >= 256:  # bound the list between log points
                     self.fold_losses()
                 unit = isinstance(weight, float) and weight == 1.0
@@ -200,7 +211,20 @@ class Executor:
             # Without bucket_module one replica meets every bucket's shapes (and tails): more
             # than dynamo's default limit of 8 graphs, past which it would run eagerly for good.
             _raise_recompile_limit(len(self.signatures) + _LIMIT_MARGIN)
-        return call_module(self.fn, self.inputs)
+        inputs = self.inputs
+        if self.inputs_need_grad and is_train:
+            # Leaves of their own: the staged inputs are views of buffers the next batch
+            # reuses, and may be the caller's tensors themselves.
+            inputs = tree_map(lambda t: t.detach().requires_grad_() if t.is_floating_point()
+                              else t, inputs)
+            self.grad_inputs = inputs
+        return call_module(self.fn, inputs)
+
+    def input_grads(self) -> list[torch.Tensor | None]:
+        """The gradient of the loss for each input of the last training batch (valid rows;
+        None for integer inputs), in ``tree_leaves`` order; needs ``inputs_need_grad``."""
+        leaves = tree_leaves(self.grad_inputs)
+        return [None if t.grad is None else self.valid_rows(t.grad) for t in leaves]
 
     def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Backpropagate this replica's weighted loss (gradients accumulate into its buffers)."""
@@ -217,23 +241,24 @@ class Executor:
 
     def valid_rows(self, tree: Any) -> Any:
         """The rows of ``tree`` that are not padding."""
-        n = self.valid
-        return tree_map(lambda t: t[:n], tree)
+        return take_rows(tree, slice(0, self.valid), self.axis)
 
-    def fold_losses(self) -> tuple[torch.Tensor, int]:
-        """(sum of per-row losses, rows) so far; folds the batches' losses kept since the
-        last call into the running sum (one op per log point instead of one per step)."""
+    def fold_losses(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of per-row losses, rows) so far, as device tensors (no host sync); folds the
+        batches' losses kept since the last call into the running sums (one op per log
+        point instead of one per step)."""
         if self.pending_losses:
             losses = torch.stack([loss.double() for loss, _ in self.pending_losses])
-            rows = torch.tensor([float(n) for _, n in self.pending_losses], dtype=torch.float64)
-            self.loss_sum += (losses * rows.to(losses.device)).sum()
-            self.loss_count += sum(n for _, n in self.pending_losses)
+            counts = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
+                                  for _, n in self.pending_losses])
+            self.loss_sum += (losses * counts).sum()
+            self.loss_count += counts.sum()
             self.pending_losses = []
         return self.loss_sum, self.loss_count
 
     def reset_loss(self) -> None:
         self.loss_sum.zero_()
-        self.loss_count = 0
+        self.loss_count.zero_()
         self.pending_losses = []
 
 
@@ -250,8 +275,3 @@ def _raise_recompile_limit(entries: int) -> None:
         name = next(n for n in names if hasattr(config, n))
         setattr(config, name, max(getattr(config, name), entries))
     _THREAD.limit = entries
-
-
-def _rows(tree: Any) -> int:
-    leaves = tree_leaves(tree)
-    return int(leaves[0].shape[0]) if leaves else 0

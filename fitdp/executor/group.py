@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from fitdp.batch import DataBatch, tree_map
+from fitdp.batch import DataBatch, take_rows
 from fitdp.executor.executor import Executor, LossFn
 from fitdp.executor.workers import DeviceWorkers
 
@@ -31,6 +30,7 @@ class DataParallelExecutorGroup:
         bucket_key: the bucket this group runs (None without bucketing).
         compile: ``torch.compile`` each replica (one graph per input shape).
         logger: where the bucketing re-allocation warning goes (default: ``fitdp``).
+        inputs_need_grad: track gradients of the inputs (``get_input_grads``).
 
     Example:
         >>> g = DataParallelExecutorGroup([nn.Linear(3, 1)], [torch.device("cpu")], [{}],
@@ -49,12 +49,14 @@ class DataParallelExecutorGroup:
         bucket_key: Hashable | None = None,
         compile: bool = False,
         logger: logging.Logger | None = None,
+        inputs_need_grad: bool = False,
     ) -> None:
         self.bucket_key = bucket_key
         self.workers = workers
         self.logger = logger or logging.getLogger("fitdp")
         self.executors = [
-            Executor(m, d, b, compile=compile, warn_on_grow=bucket_key is not None)
+            Executor(m, d, b, compile=compile, warn_on_grow=bucket_key is not None,
+                     inputs_need_grad=inputs_need_grad)
             for m, d, b in zip(modules, devices, shared_buffers)
         ]
         named = [dict(m.named_parameters()) for m in modules]
@@ -81,16 +83,17 @@ class DataParallelExecutorGroup:
         """Copy each device's slice of ``batch`` into its input buffers."""
         self.slices = slices
         valid_end = batch.batch_size - batch.pad
+        axis = batch.axis
         if len(slices) == 1:
-            self.executors[0].load(batch.data, batch.label, valid_end, batch.sample_weight)
+            self.executors[0].load(batch.data, batch.label, valid_end, batch.sample_weight,
+                                   axis)
             self._warn_grown()
             return
         for ex, sl in zip(self.executors, slices):
             valid = max(0, min(sl.stop, valid_end) - sl.start)
-            take = operator.itemgetter(sl)
-            label = None if batch.label is None else tree_map(take, batch.label)
+            label = None if batch.label is None else take_rows(batch.label, sl, axis)
             weight = None if batch.sample_weight is None else batch.sample_weight[sl]
-            ex.load(tree_map(take, batch.data), label, valid, weight)
+            ex.load(take_rows(batch.data, sl, axis), label, valid, weight, axis)
         self._warn_grown()
 
     def _warn_grown(self) -> None:
@@ -114,27 +117,62 @@ class DataParallelExecutorGroup:
         loss_fn: LossFn | None,
         total_rows: int | torch.Tensor,
         autocast_dtype: torch.dtype | None,
+        global_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        """Run every replica on its slice; each loss is weighted by ``valid / total_rows``."""
+        """Run every replica on its slice; each loss is weighted by ``valid / total_rows``, or
+        by its share of the counted targets (see ``_counts``; ``global_count`` sums a count
+        over ranks)."""
         # Read the mode rather than cache it: with one device the replica is the user's module,
         # which the user may switch between calls (train() walks every submodule: only then).
         for ex in self.executors:
             if ex.module.training is not is_train:
                 ex.module.train(is_train)
-        denom = total_rows.clamp(min=1) if isinstance(total_rows, torch.Tensor) else float(
-            max(total_rows, 1))
+        counted = self._counts(loss_fn, global_count)
+        counts: list[Any] = [None] * len(self.executors)
+        if counted is None:
+            denom = total_rows.clamp(min=1) if isinstance(total_rows, torch.Tensor) else float(
+                max(total_rows, 1))
+            weights: list[Any] = [ex.valid / denom for ex in self.executors]
+        else:
+            counts, total = counted
+            weights = [c / total.to(c.device, non_blocking=True) for c in counts]
 
-        def task(ex: Executor) -> None:
-            ex.forward(is_train, loss_fn, ex.valid / denom, autocast_dtype)
+        def task(ex: Executor, d: int) -> None:
+            ex.forward(is_train, loss_fn, weights[d], autocast_dtype, counts[d])
 
         if is_train and self._draws_in_turn():
             before = torch.get_rng_state() if self.stochastic is None else None
-            for ex in self.executors:
-                task(ex)
+            for d, ex in enumerate(self.executors):
+                task(ex, d)
             if before is not None:  # the probe: did that forward draw random numbers?
                 self.stochastic = not torch.equal(before, torch.get_rng_state())
         else:
-            self._run(task)
+            self.workers.run([functools.partial(task, ex, d)
+                              for d, ex in enumerate(self.executors)])
+
+    def _counts(self, loss_fn: LossFn | None, global_count: Callable[[torch.Tensor],
+                torch.Tensor] | None) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """Per device, what its slice's mean loss divides by, and their sum over devices
+        (and ranks), when that is not the rows: a loss with an ignore index (per-token
+        labels padded with -100) means over the targets it does not ignore, so weighing
+        slices by rows would give another update than one device on the whole batch. None
+        for a loss that means over rows, or with one slice and no ranks to add."""
+        counter = getattr(loss_fn, "counts", None)
+        if counter is None or (len(self.executors) == 1 and global_count is None) or any(
+                ex.weights is not None for ex in self.executors):
+            return None  # sample weights mean over rows (Keras's sum_over_batch_size)
+        counts = []
+        for ex in self.executors:
+            labels = ex.valid_rows(ex.labels) if ex.labels is not None and ex.valid else None
+            c = counter(labels) if labels is not None else None
+            if c is None and labels is not None:
+                return None  # the loss means over rows after all
+            counts.append(torch.zeros((), device=ex.device) if c is None else c.float())
+        total = torch.stack([c.to(self.executors[0].device, non_blocking=True)
+                             for c in counts]).sum()
+        if global_count is not None:
+            total = global_count(total)
+        return counts, total.clamp(min=1)
 
     def _draws_in_turn(self) -> bool:
         """Whether training forwards must run one after another, in device order.
@@ -164,7 +202,7 @@ class DataParallelExecutorGroup:
         """Update each device's clone of ``metric`` with that device's outputs and labels."""
 
         def update(ex: Executor, d: int) -> None:
-            lab = ex.labels if labels is None else tree_map(lambda t: t[self.slices[d]], labels)
+            lab = ex.labels if labels is None else take_rows(labels, self.slices[d], ex.axis)
             with ex.stream_context():
                 if ex.valid > 0:
                     metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(lab))

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import copy
 import logging
-import operator
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fitdp.batch import DataBatch, tree_leaves, tree_map
+from fitdp.batch import DataBatch, axis_of, take_rows, tree_map
 from fitdp.devices import DevicesArg, resolve_devices
 from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.executor import LossFn
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.reduce import FlatBuckets
-from fitdp.executor.sharing import check_unique_names, share_by_name
-from fitdp.executor.slicing import check_work_load_list, split_input_slice
+from fitdp.executor.sharing import bucket_replicas, check_unique_names
+from fitdp.executor.slicing import check_work_load_list, device_slices
 from fitdp.executor.step import OptimizerStepMixin, ShardedStep
 from fitdp.executor.workers import DeviceWorkers
 
@@ -48,6 +47,8 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         compile: ``torch.compile`` every executor.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype.
         distributed: also all-reduce gradients across the default process group.
+        inputs_need_grad: track the inputs' gradients in training (MXNet's bind option), read
+            with ``get_input_grads``.
 
     Example:
         >>> mgr = DataParallelExecutorManager(nn.Linear(4, 2), ["cpu", "cpu"],
@@ -71,8 +72,10 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         compile: bool = False,
         autocast_dtype: torch.dtype | None = None,
         distributed: bool = False,
+        inputs_need_grad: bool = False,
     ) -> None:
         self.devices = resolve_devices(devices)
+        self.inputs_need_grad = inputs_need_grad
         self.work_load_list = check_work_load_list(work_load_list, len(self.devices))
         check_unique_names(module)
         self.logger = logger or logging.getLogger("fitdp")
@@ -137,7 +140,7 @@ class DataParallelExecutorManager(OptimizerStepMixin):
 
         A batch without a bucket key (e.g. validation tensors next to bucketed training data)
         runs the default bucket, as does every batch without ``bucket_module``."""
-        _check_rows(data_batch)
+        data_batch.check_rows()
         key = data_batch.bucket_key
         if self.bucket_module is None or key is None:
             key = self.default_bucket_key
@@ -166,7 +169,8 @@ class DataParallelExecutorManager(OptimizerStepMixin):
             # Only training needs the weights; a source that knows the count passes it in.
             if self.distributed and is_train and self.loss is not None:
                 total = self._global_rows(total)
-        group.forward(is_train, self.loss, total, self.autocast_dtype)
+        group.forward(is_train, self.loss, total, self.autocast_dtype,
+                      _all_reduce if self.distributed else None)
 
     def _global_rows(self, local: int) -> int | torch.Tensor:
         """This step's rows summed over ranks (ranks' batches may differ in size)."""
@@ -185,6 +189,33 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         if reduce:
             self.reduce_gradients()
 
+    def get_input_grads(self, merge_multi_context: bool = True) -> list[Any]:
+        """The gradient of the loss for each input of the last training batch (MXNet's
+        ``get_input_grads``; the manager needs ``inputs_need_grad=True``).
+
+        Returns:
+            One entry per input (in ``tree_leaves`` order of the batch's data): the whole
+            batch's gradient, devices joined along the batch axis on device 0, or with
+            ``merge_multi_context=False`` a list of each device's slice. None for an integer
+            input.
+
+        Raises:
+            RuntimeError: the manager tracks no input gradients, or no batch was trained.
+        """
+        group = self.curr_execgrp
+        if not self.inputs_need_grad or group.executors[0].grad_inputs is None:
+            raise RuntimeError("get_input_grads: no input gradients; build the manager with "
+                               "inputs_need_grad=True and run forward(is_train=True) and "
+                               "backward() first")
+        per_device = [ex.input_grads() for ex in group.executors if ex.valid > 0]
+        columns = [list(col) for col in zip(*per_device)]
+        if not merge_multi_context:
+            return columns
+        axis, dev = group.executors[0].axis, self.devices[0]
+        return [None if any(g is None for g in col) else
+                torch.cat([g.to(dev) for g in col], dim=axis_of(col[0], axis))
+                for col in columns]
+
     def update_metric(self, metric: Any, labels: Any = None) -> None:
         """Update ``metric`` per device slice.
 
@@ -197,7 +228,7 @@ class DataParallelExecutorManager(OptimizerStepMixin):
             return
         group = self.curr_execgrp
         for ex, sl in zip(group.executors, group.slices):
-            lab = ex.labels if labels is None else tree_map(operator.itemgetter(sl), labels)
+            lab = ex.labels if labels is None else take_rows(labels, sl, ex.axis)
             if ex.valid > 0:
                 # Owned copies without autograd history: the labels are views of input
                 # buffers the next batch overwrites, and a metric may keep what it is given.
@@ -272,12 +303,13 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         group = self.curr_execgrp
         return [o for ex, o in zip(group.executors, group.outputs()) if ex.valid > 0]
 
-    def loss_state(self) -> tuple[torch.Tensor, int]:
+    def loss_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of per-row losses, rows) since ``reset_loss``, on device 0 (no host sync)."""
         folded = [ex.fold_losses() for g in self.groups.values() for ex in g.executors]
-        # Never empty (every group has an executor), so sum() is a Tensor, not its start 0.
-        total = cast(torch.Tensor, sum(t.to(self.devices[0], non_blocking=True) for t, _ in folded))
-        return total, sum(n for _, n in folded)
+        dev = self.devices[0]
+        total = torch.stack([t.to(dev, non_blocking=True) for t, _ in folded]).sum()
+        count = torch.stack([n.to(dev, non_blocking=True) for _, n in folded]).sum()
+        return total, count
 
     def reset_loss(self) -> None:
         for g in self.groups.values():
@@ -288,9 +320,11 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         """Allocate input buffers for a full batch of ``descs`` (``DataDesc``) up front, so
         smaller buckets take views of them instead of re-allocating."""
         for desc in descs:
-            sl = self._slices_for(desc.shape[0])
-            for ex, s in zip(self.execgrp.executors, sl):
-                ex.reserve(desc.name, (s.stop - s.start, *desc.shape[1:]), desc.dtype)
+            axis = desc.batch_axis if len(desc.shape) > desc.batch_axis else 0
+            for ex, s in zip(self.execgrp.executors, self._slices_for(desc.shape[axis])):
+                shape = list(desc.shape)
+                shape[axis] = s.stop - s.start
+                ex.reserve(desc.name, tuple(shape), desc.dtype)
 
     def close(self) -> None:
         """Stop the device threads (idempotent; they also stop when the manager is
@@ -303,28 +337,15 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         group = DataParallelExecutorGroup(
             modules, self.devices, self.shared_buffers, self.workers,
             bucket_key=key, compile=self.compile, logger=self.logger,
+            inputs_need_grad=self.inputs_need_grad,
         )
         if self.monitor is not None:
             self._install(group)
         return group
 
     def _bucket_group(self, key: Hashable) -> DataParallelExecutorGroup:
-        if not _hashable(key):
-            raise TypeError(
-                f"bucket_key: got {key!r} of type {type(key).__name__}, which is not hashable; "
-                f"expected an int, str or tuple (bucket groups are kept in a dict)"
-            )
-        first = self.bucket_module(key) if self.bucket_module is not None else None
-        if not isinstance(first, nn.Module):
-            raise TypeError(
-                f"bucket_module({key!r}) returned {type(first).__name__}; expected an nn.Module"
-            )
-        modules = []
-        for d, base in enumerate(self.execgrp.executors):
-            m = first if d == 0 else copy.deepcopy(first)
-            share_by_name(m, base.module, key)
-            modules.append(m)
-        group = self._group(modules, key)
+        bases = [ex.module for ex in self.execgrp.executors]
+        group = self._group(bucket_replicas(self.bucket_module, key, bases), key)
         self.groups[key] = group
         return group
 
@@ -337,23 +358,8 @@ class DataParallelExecutorManager(OptimizerStepMixin):
 
     def _slices_for(self, rows: int) -> list[slice]:
         slices = self._slices.get(rows)
-        if slices is None and rows == 0:  # this rank has no rows this step, but joins the reduce
-            slices = [slice(0, 0)] * len(self.devices)
         if slices is None:
-            loads = self.work_load_list
-            n = len(loads)
-            # A final short batch may have fewer rows than there are devices: give it to
-            # the first devices and leave the rest idle for that batch.
-            while True:
-                try:
-                    slices = split_input_slice(rows, loads[:n])
-                    break
-                except ValueError:
-                    if n == 1 or rows == 0:
-                        raise
-                    n -= 1
-            slices += [slice(rows, rows)] * (len(loads) - n)
-            self._slices[rows] = slices
+            slices = self._slices[rows] = device_slices(rows, self.work_load_list)
         return slices
 
 
@@ -374,14 +380,7 @@ def _hashable(key: Any) -> bool:
 
 
 
-def _check_rows(batch: DataBatch) -> None:
-    """Labels and sample weights must have one row per sample of the data."""
-    rows = batch.batch_size
-    for name, tree in (("label", batch.label), ("sample_weight", batch.sample_weight)):
-        for leaf in tree_leaves(tree):
-            if leaf.dim() == 0 or leaf.shape[0] != rows:
-                got = leaf.shape[0] if leaf.dim() else "a scalar"
-                raise ValueError(
-                    f"DataBatch.{name}: got {got} rows for data of {rows} rows; expected one "
-                    f"{name} row per sample. Fix: pass data and {name} of the same length."
-                )
+def _all_reduce(value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over the ranks (a counted loss's denominator)."""
+    dist.all_reduce(value)
+    return value

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import cast
+import copy
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, cast
 
 from torch import nn
 
@@ -68,3 +69,32 @@ def share_by_name(module: nn.Module, base: nn.Module, bucket_key: Hashable) -> N
                 owner._parameters[leaf] = cast(nn.Parameter, shared)  # from named_parameters
             else:
                 owner._buffers[leaf] = shared
+
+
+def bucket_replicas(bucket_module: Callable[[Any], nn.Module] | None, key: Hashable,
+                    bases: Sequence[nn.Module]) -> list[nn.Module]:
+    """One module per device for bucket ``key`` (MXNet's ``sym_gen``), each sharing every
+    parameter and buffer by name with that device's default-bucket replica in ``bases``.
+
+    Raises:
+        TypeError: an unhashable key, or ``bucket_module`` not returning a module.
+        ValueError: a parameter that cannot be shared (see ``share_by_name``).
+    """
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(
+            f"bucket_key: got {key!r} of type {type(key).__name__}, which is not hashable; "
+            f"expected an int, str or tuple (bucket groups are kept in a dict)"
+        ) from None
+    first = bucket_module(key) if bucket_module is not None else None
+    if not isinstance(first, nn.Module):
+        raise TypeError(
+            f"bucket_module({key!r}) returned {type(first).__name__}; expected an nn.Module"
+        )
+    modules = []
+    for d, base in enumerate(bases):
+        m = first if d == 0 else copy.deepcopy(first)
+        share_by_name(m, base, key)
+        modules.append(m)
+    return modules

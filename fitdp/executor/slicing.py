@@ -66,3 +66,26 @@ def split_input_slice(batch_size: int, work_load_list: Sequence[float]) -> list[
         slices.append(slice(begin, begin + n))
         begin += n
     return slices
+
+
+def device_slices(rows: int, work_load_list: Sequence[float]) -> list[slice]:
+    """``split_input_slice`` for a step of ``rows`` rows that may be fewer than the devices:
+    a final short batch goes to the first devices and leaves the rest idle for that step
+    (an empty slice each); 0 rows (a rank with nothing left) gives every device nothing.
+
+    Example:
+        >>> device_slices(2, [1, 1, 1])
+        [slice(0, 1, None), slice(1, 2, None), slice(2, 2, None)]
+    """
+    if rows == 0:
+        return [slice(0, 0)] * len(work_load_list)
+    n = len(work_load_list)
+    while True:
+        try:
+            slices = split_input_slice(rows, work_load_list[:n])
+            break
+        except ValueError:
+            if n == 1:
+                raise
+            n -= 1
+    return slices + [slice(rows, rows)] * (len(work_load_list) - n)
