@@ -264,7 +264,7 @@ def main() -> None:
     if args.quick:
         sizes, batch, steps, memcpy_bytes, repeats = [256, 256, 64], 8, 2, 8 << 20, 2
     else:  # 4096*4096 + 4096*2048 weights: 25.2M parameters, ~100 MB; Adam adds 2x that
-        sizes, batch, steps, memcpy_bytes, repeats = [4096, 4096, 2048], 32, 6, 400 << 20, \
+        sizes, batch, steps, memcpy_bytes, repeats = [4096, 4096, 2048], 32, 10, 400 << 20, \
             args.repeats
     cpu = None if args.no_pin else min(os.sched_getaffinity(0))
     folder = tempfile.mkdtemp(prefix="fitdp-bench-", dir=args.dir)

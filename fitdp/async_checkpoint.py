@@ -11,9 +11,11 @@ the GIL, so training threads keep running while the file is written.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -22,6 +24,8 @@ from fitdp.checkpoint import check_state, write_checkpoint
 from fitdp.validate import check_path, fail
 
 __all__ = ["AsyncCheckpointWriter"]
+
+_WRITER_NICE = 10  # conventional for background work: ~10% of a core against a busy thread
 
 
 class AsyncCheckpointWriter:
@@ -33,7 +37,8 @@ class AsyncCheckpointWriter:
     moment leaves the previous complete file. A second ``submit`` first waits for the save in
     flight; a failed save raises at the next ``submit`` or at ``wait()``. Use it from one
     thread. It keeps one host copy of the last state's tensors until ``close()`` (pinned
-    memory for CUDA tensors).
+    memory for CUDA tensors). On Linux the writer thread runs at nice +10: where all cores
+    are busy, training keeps them and the save takes longer.
 
     Example:
         >>> net = torch.nn.Linear(4, 2)
@@ -126,6 +131,7 @@ class AsyncCheckpointWriter:
     def _write(self, path: str, state: dict[str, Any],
                on_durable: Callable[[str], object] | None) -> None:
         try:
+            _lower_this_threads_priority()
             write_checkpoint(path, state)
             if on_durable is not None:
                 on_durable(path)
@@ -134,6 +140,17 @@ class AsyncCheckpointWriter:
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(note)
             self._error = exc
+
+
+def _lower_this_threads_priority() -> None:
+    """Nice the calling thread by ``_WRITER_NICE``, so that where every core is busy (torch's
+    threads, other jobs) training keeps the CPU and the save takes what is left. Linux only:
+    there the nice value belongs to the thread; elsewhere a thread id would name a process."""
+    if sys.platform.startswith("linux"):
+        tid = threading.get_native_id()
+        with suppress(OSError):  # e.g. a seccomp sandbox refusing setpriority
+            os.setpriority(os.PRIO_PROCESS, tid,
+                           min(19, os.getpriority(os.PRIO_PROCESS, tid) + _WRITER_NICE))
 
 
 class _HostSnapshot:

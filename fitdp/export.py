@@ -99,7 +99,8 @@ def export_module(
             f"torch.export could not trace {name}.forward ({type(err).__name__}: {lines[0]}). "
             f"Fix: torch.where/torch.cond instead of Python if/loops on tensors; {_BATCH_HINT}"
         ) from err
-    _atomic_save(program, path)
+    with atomic_write(path) as f:  # readers of path see the old file or the new one
+        torch.export.save(program, f)
 
 
 def load_predictor(path: str | os.PathLike[str]) -> Predictor:
@@ -231,9 +232,3 @@ def _input_spec(program: ExportedProgram) -> list[InputSpec]:
         dtype = getattr(val, "dtype", None)  # None: a non-tensor input
         specs.append(InputSpec(keyword.get(i, name), shape, dtype, i in keyword))
     return specs
-
-
-def _atomic_save(program: ExportedProgram, path: Path) -> None:
-    """Write ``program`` so that readers of ``path`` see the old file or the new one."""
-    with atomic_write(path) as f:
-        torch.export.save(program, f)

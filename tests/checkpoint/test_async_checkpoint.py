@@ -229,3 +229,15 @@ def test_relative_path_is_resolved_at_submit(
     gate.open()
     writer.wait()
     assert os.listdir(tmp_path / "run") == ["a.ckpt"] and os.listdir(tmp_path / "elsewhere") == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_writer_thread_runs_at_lower_cpu_priority(tmp_path: Path) -> None:
+    """Where every core is busy, the background save yields to training."""
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+    with AsyncCheckpointWriter() as writer:
+        writer.submit(tmp_path / "a.ckpt", {"n": 1}, on_durable=lambda p: seen.append(
+            os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    assert seen == [min(19, mine + 10)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
