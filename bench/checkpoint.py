@@ -1,19 +1,28 @@
-"""fitdp's checkpoint save against a bare torch.save, and copy_to against memcpy.
+"""Checkpoint saves: synchronous against torch.save, asynchronous against training alone.
 
-Run: python bench/checkpoint.py [--repeats 7] [--dir DIR] [--json out.json] [--quick]
+Run: python bench/checkpoint.py [--repeats 7] [--dir DIR] [--json out.json] [--quick] [--no-pin]
 
-1. ``Model.save`` of an MLP (~25M parameters, Adam state after one real step, one device)
-   against a bare ``torch.save`` of the same model and optimizer state dicts, and against
-   ``torch.save`` + ``fsync`` of the file. ``Model.save`` fsyncs the file and its folder
-   (durability), so the bare ``torch.save`` only measures the write into the page cache.
-   Cases are interleaved, each save writes a new file (deleted afterwards, untimed) and
-   ``os.sync()`` runs before each timed save so no earlier write-back lands in its time.
-2. ``DataParallelExecutorManager(module, ["cpu", "cpu"]).copy_to`` into preallocated host
-   tensors, against a large ``dst.copy_(src)``. Bandwidth = bytes read + bytes written:
-   copy_to reads both replicas and writes one host copy (3 x the weights' bytes); the
-   memcpy reads and writes its buffer once (2 x its bytes).
+The state is an MLP 4096-4096-2048 (25.2M parameters) and its Adam state after one real step:
+``{"module": net.state_dict(), "optimizer": opt.state_dict()}``, about 302 MB.
 
-Medians of ``--repeats``, one torch thread.
+(b) Synchronous: ``fitdp.checkpoint.save_checkpoint`` against a bare ``torch.save`` and against
+    ``torch.save`` + ``fsync`` of the file, interleaved (the first case rotates), each save to a
+    new file (deleted afterwards, untimed), ``os.sync()`` before each timed save so no earlier
+    write-back lands in its time. Target: save_checkpoint <= 1.05x torch.save + fsync (median
+    of the per-round ratios).
+(a) Asynchronous: training time lost per save with ``AsyncCheckpointWriter``. Each round runs
+    K training steps (batch 32, the same net and Adam) alone, and K steps after
+    ``writer.submit(...)`` followed by ``writer.wait()``; the two blocks alternate which goes
+    first. Lost per save = (submit + K steps + wait) - (K steps alone): the submit call, any
+    slowdown of the steps running next to the writer thread, and any wait for a save that
+    outlasts them. Target: median lost <= 10% of the median synchronous save_checkpoint.
+Also ``DataParallelExecutorManager(module, ["cpu", "cpu"]).copy_to`` into preallocated host
+tensors against a large ``dst.copy_(src)`` (bandwidth = bytes read + written).
+
+One torch thread (intra- and inter-op). Unless ``--no-pin``, the timing thread runs on the
+first CPU of the process's set; the writer thread is started before that pinning applies, so
+it keeps the whole set (the OS puts it on the other core). The output records the CPU, the
+folder's file system and the load average.
 """
 
 from __future__ import annotations
@@ -21,21 +30,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
-from fitdp.resume import training_state
 from torch import nn
 
-import fitdp
-from fitdp.executor.manager import DataParallelExecutorManager
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench this checkout's fitdp
+from fitdp.async_checkpoint import AsyncCheckpointWriter  # noqa: E402
+from fitdp.checkpoint import save_checkpoint  # noqa: E402
+from fitdp.executor.manager import DataParallelExecutorManager  # noqa: E402
 
-SAVE_TARGET = 1.10  # Model.save / bare torch.save, at most
+SYNC_TARGET = 1.05  # save_checkpoint / (torch.save + fsync), at most
+ASYNC_TARGET = 0.10  # training time lost per async save / synchronous save, at most
 COPY_TARGET = 0.5  # copy_to bandwidth / memcpy bandwidth, at least
+State = dict[str, object]
 
 
 def mlp(sizes: list[int]) -> nn.Module:
@@ -45,61 +61,132 @@ def mlp(sizes: list[int]) -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def trained_model(sizes: list[int]) -> fitdp.Model:
-    """A Model compiled with Adam that took one optimizer step on ["cpu"]."""
-    model = fitdp.Model(mlp(sizes))
-    model.compile(optimizer="adam", lr=1e-3, loss="cross_entropy")
-    x, y = torch.randn(8, sizes[0]), torch.randint(0, sizes[-1], (8,))
-    model.fit(x, y, batch_size=8, epochs=1, devices=["cpu"], verbose=0, seed=0)
-    if model.global_step < 1 or not model.optimizer.state:  # type: ignore[union-attr]
-        raise RuntimeError("the model did not take an optimizer step; nothing to benchmark")
-    return model
+class Trainer:
+    """An MLP with Adam; ``step()`` is one training step on a fixed batch."""
+
+    def __init__(self, sizes: list[int], batch: int) -> None:
+        self.net = mlp(sizes)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-4)
+        self.x = torch.randn(batch, sizes[0])
+        self.y = torch.randint(0, sizes[-1], (batch,))
+        self.step()  # Adam's state exists after the first step
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(self.net(self.x), self.y).backward()
+        self.opt.step()
+
+    def state(self) -> State:
+        return {"module": self.net.state_dict(), "optimizer": self.opt.state_dict()}
 
 
-def bare_state(model: fitdp.Model) -> dict[str, object]:
-    return {"module": model.module.state_dict(),
-            "optimizer": model.optimizer.state_dict()}  # type: ignore[union-attr]
+@contextmanager
+def pinned(cpu: int | None) -> Iterator[None]:
+    """Run the calling thread (only) on ``cpu``; threads it starts inherit that."""
+    if cpu is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})  # pid 0: this thread, on Linux
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
-def bare_save(model: fitdp.Model, path: str) -> None:
-    torch.save(bare_state(model), path)
+def torch_save(path: str, state: State) -> None:
+    torch.save(state, path)
 
 
-def bare_save_fsync(model: fitdp.Model, path: str) -> None:
+def torch_save_fsync(path: str, state: State) -> None:
     with open(path, "wb") as f:
-        torch.save(bare_state(model), f)
+        torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def bench_saves(model: fitdp.Model, folder: str, repeats: int) -> dict[str, float]:
-    """Median seconds per save of each case, interleaved, rotating which goes first."""
-    cases: dict[str, Callable[[fitdp.Model, str], None]] = {
-        "fitdp Model.save": lambda m, p: m.save(p),
-        "bare torch.save": bare_save,
-        "torch.save + fsync": bare_save_fsync,
-        # Not a save: the part of Model.save before any I/O (averaging, 1 host clone, RNG).
-        "  of which training_state()": lambda m, p: training_state(m),
-    }
-    names = list(cases)
+SYNC_CASES: dict[str, Callable[[str, State], None]] = {
+    "fitdp save_checkpoint": save_checkpoint,
+    "bare torch.save": torch_save,
+    "torch.save + fsync": torch_save_fsync,
+}
+
+
+def bench_sync(state: State, folder: str, repeats: int, cpu: int | None) -> dict[str, object]:
+    """Median seconds per save of each case, and the median per-round ratio to fsync."""
+    names = list(SYNC_CASES)
     times: dict[str, list[float]] = {n: [] for n in names}
-    sizes: dict[str, int] = {}
+    size = 0
     for r in range(repeats + 1):  # round 0 warms up
         for name in names[r % len(names):] + names[:r % len(names)]:
-            path = os.path.join(folder, f"bench-{names.index(name)}.ckpt")
-            os.sync()  # flush the previous save's dirty pages (and the unlink) outside the timing
-            t = time.perf_counter()
-            cases[name](model, path)
-            dt = time.perf_counter() - t
-            if os.path.exists(path):
-                sizes[name] = os.path.getsize(path)
-                os.remove(path)  # every save writes a new file
+            path = os.path.join(folder, f"sync-{names.index(name)}.ckpt")
+            os.sync()
+            with pinned(cpu):
+                t = time.perf_counter()
+                SYNC_CASES[name](path, state)
+                dt = time.perf_counter() - t
+            size = os.path.getsize(path)
+            os.remove(path)  # every save writes a new file
             if r:
                 times[name].append(dt)
     os.sync()
-    return {n: statistics.median(times[n]) for n in names} | {
-        f"{n} bytes": float(sizes[n]) for n in sizes
-    }
+    fitdp, fsync = times["fitdp save_checkpoint"], times["torch.save + fsync"]
+    return {"median_s": {n: statistics.median(times[n]) for n in names}, "runs_s": times,
+            "bytes": size,
+            "fsync_ratio": statistics.median(a / b for a, b in zip(fitdp, fsync)),
+            "bare_ratio": statistics.median(
+                a / b for a, b in zip(fitdp, times["bare torch.save"]))}
+
+
+def bench_async(trainer: Trainer, folder: str, repeats: int, steps: int,
+                cpu: int | None) -> dict[str, object]:
+    """Per round: K steps alone and submit + K steps + wait, alternating which goes first."""
+    writer = AsyncCheckpointWriter()
+    alone, with_save, submits, saved = [], [], [], 0
+
+    def train_alone() -> float:
+        os.sync()
+        with pinned(cpu):
+            t = time.perf_counter()
+            for _ in range(steps):
+                trainer.step()
+            return time.perf_counter() - t
+
+    def train_saving() -> tuple[float, float]:
+        nonlocal saved
+        path = os.path.join(folder, f"async-{saved}.ckpt")
+        saved += 1
+        os.sync()
+        t = time.perf_counter()
+        writer.submit(path, trainer.state())  # starts the writer thread on any CPU
+        with pinned(cpu):
+            submitted = time.perf_counter()
+            for _ in range(steps):
+                trainer.step()
+            writer.wait()
+            total = time.perf_counter() - t
+        os.remove(path)
+        return total, submitted - t
+
+    try:
+        for r in range(repeats + 1):  # round 0 warms up (and allocates the host buffers)
+            if r % 2:
+                a = train_alone()
+                b, s = train_saving()
+            else:
+                b, s = train_saving()
+                a = train_alone()
+            if r:
+                alone.append(a)
+                with_save.append(b)
+                submits.append(s)
+    finally:
+        writer.close()
+    os.sync()
+    lost = [b - a for a, b in zip(alone, with_save)]
+    return {"steps": steps, "step_s": statistics.median(alone) / steps,
+            "alone_s": alone, "with_save_s": with_save, "submit_s": submits, "lost_s": lost,
+            "median_lost_s": statistics.median(lost), "median_submit_s": statistics.median(submits)}
 
 
 def timed_median(fn: Callable[[], object], repeats: int) -> float:
@@ -139,6 +226,28 @@ def bench_copy_to(sizes: list[int], memcpy_bytes: int, repeats: int) -> dict[str
     }
 
 
+def machine(folder: str) -> dict[str, object]:
+    """The CPU, the CPUs this process may use, and the file system holding ``folder``."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    fs, best = "?", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, mount, kind = line.split()[:3]
+                if os.path.realpath(folder).startswith(mount) and len(mount) > len(best):
+                    fs, best = kind, mount
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpus": sorted(os.sched_getaffinity(0)), "fs": f"{fs} on {best}",
+            "loadavg": list(os.getloadavg()), "torch": torch.__version__}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,55 +256,75 @@ def main() -> None:
                         help="folder for the checkpoint files (default: a new temp folder)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="small model, 2 repeats: a smoke run")
+    parser.add_argument("--no-pin", action="store_true", help="leave threads to the OS")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
     torch.manual_seed(0)
     if args.quick:
-        sizes, memcpy_bytes, repeats = [256, 256, 64], 8 << 20, 2
+        sizes, batch, steps, memcpy_bytes, repeats = [256, 256, 64], 8, 2, 8 << 20, 2
     else:  # 4096*4096 + 4096*2048 weights: 25.2M parameters, ~100 MB; Adam adds 2x that
-        sizes, memcpy_bytes, repeats = [4096, 4096, 2048], 400 << 20, args.repeats
-    n_params = sum(p.numel() for p in mlp(sizes).parameters())
-    load = os.getloadavg()
-    print(f"MLP {'-'.join(map(str, sizes))}: {n_params / 1e6:.2f}M parameters; "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
-          f"{os.cpu_count()} CPUs; torch {torch.__version__}, 1 thread; {repeats} repeats")
-
+        sizes, batch, steps, memcpy_bytes, repeats = [4096, 4096, 2048], 32, 10, 400 << 20, \
+            args.repeats
+    cpu = None if args.no_pin else min(os.sched_getaffinity(0))
     folder = tempfile.mkdtemp(prefix="fitdp-bench-", dir=args.dir)
+    info = machine(folder)
+    trainer = Trainer(sizes, batch)
+    n_params = sum(p.numel() for p in trainer.net.parameters())
+    print(f"CPU {info['cpu']}, CPUs {info['cpus']}; {info['fs']}; load average "
+          f"{' '.join(f'{x:.2f}' for x in info['loadavg'])}; torch {info['torch']}, 1 thread"
+          f"{'' if cpu is None else f', timing thread pinned to CPU {cpu}'}")
+    print(f"MLP {'-'.join(map(str, sizes))}: {n_params / 1e6:.2f}M parameters + Adam; "
+          f"{repeats} repeats")
     try:
-        saves = bench_saves(trained_model(sizes), folder, repeats)
+        sync = bench_sync(trainer.state(), folder, repeats, cpu)
+        asyn = bench_async(trainer, folder, repeats, steps, cpu)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     copies = bench_copy_to(sizes, memcpy_bytes, repeats)
 
-    base = saves["bare torch.save"]
-    print(f"\ncheckpoint folder: {folder} (removed)")
-    print(f"{'case':<34} {'median':>10} {'MB':>8} {'vs bare save':>13}")
-    for name in ("fitdp Model.save", "  of which training_state()", "bare torch.save",
-                 "torch.save + fsync"):
-        mb = f"{saves[name + ' bytes'] / 1e6:8.1f}" if name + " bytes" in saves else " " * 8
-        print(f"{name:<34} {saves[name] * 1e3:8.1f} ms {mb} {saves[name] / base:12.3f}x")
+    med = sync["median_s"]
+    assert isinstance(med, dict)
+    print(f"\n(b) synchronous saves, {sync['bytes'] / 1e6:.1f} MB, medians (every run in ms)")
+    for name, runs in sync["runs_s"].items():  # type: ignore[attr-defined]
+        print(f"  {name:<24} {med[name] * 1e3:8.1f} ms   "
+              f"[{', '.join(f'{t * 1e3:.0f}' for t in runs)}]")
+    sync_s = med["fitdp save_checkpoint"]
+    lost, submit = asyn["median_lost_s"], asyn["median_submit_s"]
+    assert isinstance(lost, float) and isinstance(submit, float)
+    print(f"\n(a) async saves next to {asyn['steps']} training steps of "
+          f"{asyn['step_s'] * 1e3:.1f} ms (batch {batch}), per round in ms:")
+    for key in ("alone_s", "with_save_s", "lost_s", "submit_s"):
+        runs = asyn[key]
+        assert isinstance(runs, list)
+        print(f"  {key[:-2]:<12} [{', '.join(f'{t * 1e3:.1f}' for t in runs)}]")
+    lost_ratio = lost / sync_s
+    print(f"  median lost per save {lost * 1e3:.1f} ms (of which submit {submit * 1e3:.1f} ms); "
+          f"synchronous save {sync_s * 1e3:.1f} ms")
+
     print(f"\n{'case':<34} {'median':>10} {'MB r+w':>8} {'GB/s':>8}")
     for name, key in (("copy_to, 2 CPU replicas -> host", "copy_to"),
                       ("memcpy dst.copy_(src)", "memcpy")):
         print(f"{name:<34} {copies[key + ' s'] * 1e3:8.2f} ms {copies[key + ' bytes'] / 1e6:8.1f} "
               f"{copies[key + ' GB/s']:8.2f}")
 
-    save_ratio = saves["fitdp Model.save"] / base
-    fsync_ratio = saves["fitdp Model.save"] / saves["torch.save + fsync"]
+    fsync_ratio, bare_ratio = float(sync["fsync_ratio"]), float(sync["bare_ratio"])  # type: ignore[arg-type]
     copy_ratio = copies["copy_to GB/s"] / copies["memcpy GB/s"]
-    print(f"\nsave ratio (fitdp / bare torch.save):          {save_ratio:.3f}x (target <= "
-          f"{SAVE_TARGET:.2f}) {'met' if save_ratio <= SAVE_TARGET else 'MISSED'}")
-    print(f"save ratio (fitdp / torch.save + fsync):        {fsync_ratio:.3f}x (reference; "
-          f"fitdp fsyncs file and folder)")
+    print(f"\nsave ratio (fitdp / torch.save + fsync):        {fsync_ratio:.3f}x (target <= "
+          f"{SYNC_TARGET:.2f}) {'met' if fsync_ratio <= SYNC_TARGET else 'MISSED'}")
+    print(f"async lost per save / synchronous save:         {lost_ratio:.3f} (target <= "
+          f"{ASYNC_TARGET:.2f}) {'met' if lost_ratio <= ASYNC_TARGET else 'MISSED'}")
+    print(f"save ratio (fitdp / bare torch.save):          {bare_ratio:.3f}x (reference: fitdp "
+          f"fsyncs file and folder, bare torch.save leaves the data in the page cache)")
     print(f"copy_to bandwidth ratio (copy_to / memcpy):     {copy_ratio:.3f}x (target >= "
           f"{COPY_TARGET:.2f}) {'met' if copy_ratio >= COPY_TARGET else 'MISSED'}")
     if args.quick:
         print("(quick smoke run: the model is tiny and the memcpy fits in cache, so the "
               "targets apply to the full run only)")
     if args.json:
-        out = {"sizes": sizes, "params": n_params, "repeats": repeats, "loadavg": list(load),
-               "torch": torch.__version__, "save_s": saves, "copy": copies,
-               "save_ratio": save_ratio, "save_fsync_ratio": fsync_ratio,
+        out = {**info, "sizes": sizes, "params": n_params, "repeats": repeats, "batch": batch,
+               "sync": sync, "async": asyn, "copy": copies, "save_ratio": bare_ratio,
+               "save_fsync_ratio": fsync_ratio, "async_lost_ratio": lost_ratio,
                "copy_bandwidth_ratio": copy_ratio}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -2,38 +2,33 @@
 
 A checkpoint is a plain ``torch.save`` zip (``torch.load(path, weights_only=True)`` reads it)
 holding a header entry ``HEADER_KEY: {"format": FORMAT_VERSION}`` that tells it from foreign
-files, and sealed against damage (``fitdp.seal``).
+files, and sealed against damage (``fitdp.seal``). It is written by ``fitdp.atomic``.
 """
 
 from __future__ import annotations
 
-import errno
 import fnmatch
 import os
 import random
-import re
-import secrets
-import threading
 from collections import OrderedDict
-from contextlib import suppress
-from typing import IO, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from fitdp.seal import CheckpointError, record_crcs_on, seal, verify
+from fitdp.atomic import TEMP_NAME, atomic_write, remove_stale_temp_files
+from fitdp.seal import CheckpointError, verify, write_sealed
+from fitdp.validate import check_path
 
 __all__ = [
-    "FORMAT_VERSION", "HEADER_KEY", "CheckpointError", "capture_rng_state", "list_checkpoints",
-    "load_checkpoint", "remove_stale_temp_files", "restore_rng_state", "save_checkpoint",
+    "FORMAT_VERSION", "HEADER_KEY", "CheckpointError", "capture_rng_state", "check_state",
+    "list_checkpoints", "load_checkpoint", "remove_stale_temp_files", "restore_rng_state",
+    "save_checkpoint",
 ]
 
 HEADER_KEY = "__fitdp_checkpoint__"
 FORMAT_VERSION = 1
 
-_TMP_MARK = ".tmp-"
-_WRITEBACK = 32 << 20  # start writing to disk every 32 MB while saving
-_TMP_NAME = re.compile(r"^\..+\.tmp-(\d+)-[0-9a-f]{8}$")  # what save_checkpoint names them
 _SCALARS = (int, float, bool, str, type(None))
 _DICTS = (dict, OrderedDict)
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -44,6 +39,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
 
     The data go to ``.{name}.tmp-{pid}-{random}`` in the same folder, are flushed, fsynced and
     renamed onto ``path``; the folder is then fsynced so the rename survives a power cut.
+    Temporary files of ``path`` left by killed saves are removed first.
 
     Args:
         path: destination file; missing parent folders are created.
@@ -51,68 +47,39 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
             keys; int keys because ``optimizer.state_dict()`` uses them). Not modified.
 
     Raises:
-        TypeError: ``state`` holds anything else; nothing is written.
-        ValueError: ``state`` holds a reference cycle or the reserved key ``HEADER_KEY``.
+        TypeError: ``state`` holds anything else, or ``path`` is not a path; nothing is written.
+        ValueError: ``state`` holds a reference cycle or the reserved key ``HEADER_KEY``, or
+            ``path`` is a folder, a FIFO or another special file.
         OSError: writing failed; the temporary file is gone and ``path`` is untouched.
+    """
+    path = check_path("path", path)
+    check_state(state)
+    write_checkpoint(path, state)
+
+
+def check_state(state: Any) -> None:
+    """Raise TypeError/ValueError at the first thing in ``state`` a checkpoint cannot hold.
+
+    Args:
+        state: what would be passed to :func:`save_checkpoint`.
+
+    Raises:
+        TypeError: not a dict, or a value or key of an unsupported type.
+        ValueError: a reference cycle, or the reserved key ``HEADER_KEY``.
     """
     if type(state) not in _DICTS:
         raise TypeError(f"state: expected a dict, got {type(state).__name__}")
     if HEADER_KEY in state:
         raise ValueError(f"state[{HEADER_KEY!r}] is reserved for the fitdp header; rename it")
     _check_value(state, "state", set())
-    payload = {**state, HEADER_KEY: {"format": FORMAT_VERSION}}
-
-    path = os.path.abspath(os.fspath(path))
-    folder, name = os.path.split(path)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-    # 0o666 & ~umask, like any file the user writes (mkstemp would force 0o600).
-    f = os.fdopen(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "r+b")
-    old = None
-    try:
-        with f, record_crcs_on():
-            torch.save(payload, cast(IO[bytes], _EarlyWriteback(f)))  # write+flush suffice
-            seal(f)
-            f.flush()
-            os.fsync(f.fileno())
-        old = _hold_old_file(path)
-        os.replace(tmp, path)
-    except BaseException:  # also KeyboardInterrupt: never leave a half-written temp file
-        if old is not None:
-            os.close(old)
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    try:
-        _fsync_folder(folder)
-    finally:
-        if old is not None:  # its last close frees its blocks: ~55 ms per 300 MB on ext4
-            threading.Thread(target=os.close, args=(old,), daemon=True).start()
 
 
-class _EarlyWriteback:
-    """Hands torch.save's writes to ``f`` and, every ``_WRITEBACK`` bytes, asks the kernel to
-    start writing them to disk, so the disk works while torch.save still serialises and the
-    final fsync has little left to wait for."""
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self.f = f
-        self.flushed = 0
-        self.written = 0
-
-    def write(self, data: bytes) -> int:
-        n = self.f.write(data)
-        self.written += n
-        if self.written - self.flushed >= _WRITEBACK and hasattr(os, "posix_fadvise"):
-            self.f.flush()
-            # DONTNEED on dirty pages starts their writeback without waiting for it.
-            os.posix_fadvise(self.f.fileno(), self.flushed, self.written - self.flushed,
-                             os.POSIX_FADV_DONTNEED)
-            self.flushed = self.written
-        return n
-
-    def flush(self) -> None:
-        self.f.flush()
+def write_checkpoint(path: str, state: dict[str, Any], **header: Any) -> None:
+    """Write an already checked ``state`` (with ``header`` entries) to the checked ``path``."""
+    payload = {**state, HEADER_KEY: {"format": FORMAT_VERSION, **header}}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_write(path) as f:
+        write_sealed(f, payload)
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -129,10 +96,16 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is a folder, a FIFO or another special file.
         CheckpointError: the file is empty, truncated, corrupted, foreign, from a newer fitdp,
             or its pickle asks for anything but tensors and plain containers.
     """
-    path = os.fspath(path)
+    return read_checkpoint(path)[1]
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`load_checkpoint`, returning ``(header, state)``."""
+    path = check_path("path", path, must_exist=True)
     with open(path, "rb") as f:
         verify(f, path)
         f.seek(0)  # load from the verified handle: a concurrent os.replace can't swap files
@@ -150,7 +123,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path}: written in checkpoint format {header['format']}, but this fitdp reads "
             f"format {FORMAT_VERSION} at most; upgrade fitdp"
         )
-    return state
+    return header, state
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -228,35 +201,10 @@ def list_checkpoints(folder: str | os.PathLike[str], pattern: str = "*.ckpt") ->
         (entry.stat().st_mtime_ns, entry.name, entry.path)
         for entry in os.scandir(folder)
         if fnmatch.fnmatch(entry.name, pattern)
-        and not _TMP_NAME.match(entry.name)
+        and not TEMP_NAME.match(entry.name)
         and entry.is_file()
     ]
     return [p for _, _, p in sorted(found, reverse=True)]
-
-
-def remove_stale_temp_files(folder: str | os.PathLike[str]) -> list[str]:
-    """Delete temporary files that a killed save left in ``folder``.
-
-    A temp file whose writer process is still alive on this host is kept, so a save running
-    next to us is not sabotaged (on a folder shared across hosts this check cannot see the
-    other hosts' processes).
-
-    Args:
-        folder: the folder to clean; a missing folder is fine.
-
-    Returns:
-        Paths of the removed files.
-    """
-    folder = os.fspath(folder)
-    removed: list[str] = []
-    for entry in os.scandir(folder) if os.path.isdir(folder) else []:
-        match = _TMP_NAME.match(entry.name)
-        if not match or not entry.is_file() or _pid_alive(int(match[1])):
-            continue
-        with suppress(FileNotFoundError):  # another process may clean it first
-            os.unlink(entry.path)
-            removed.append(entry.path)
-    return removed
 
 
 def _check_value(value: Any, where: str, active: set[int]) -> None:
@@ -289,42 +237,3 @@ def _check_value(value: Any, where: str, active: set[int]) -> None:
         for index, item in enumerate(value):
             _check_value(item, f"{where}[{index}]", active)
     active.discard(id(value))
-
-
-def _hold_old_file(path: str) -> int | None:
-    """Open the file about to be replaced, so freeing it can be left to a thread (POSIX only:
-    Windows cannot replace an open file)."""
-    if os.name == "nt":
-        return None
-    try:
-        return os.open(path, os.O_RDONLY)
-    except OSError:  # no previous file, or unreadable: the rename frees it inline
-        return None
-
-
-def _fsync_folder(folder: str) -> None:
-    """Make the rename durable; skipped where folders cannot be opened or fsynced."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)  # Windows and unreadable folders refuse this
-    except PermissionError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    """True if process ``pid`` exists on this host (it may belong to another user)."""
-    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there
-        return pid == os.getpid()
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

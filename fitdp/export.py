@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import os
-import uuid
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,7 +15,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.export import Dim, ExportedProgram
 
+from fitdp.atomic import atomic_write
 from fitdp.batch import Inputs
+from fitdp.validate import check_path
 
 _EXPECTED = "a tensor, a tuple/list of tensors (module(*x)) or a dict of tensors (module(**x))"
 _BATCH_HINT = "reshape with -1 or x.shape[0], not a number; no Python branches on the batch size"
@@ -49,13 +50,15 @@ def export_module(
 
     Args:
         module: the module to export.
-        path: the file to write; written atomically (readers never see half a file).
+        path: the file to write; written atomically (readers never see half a file), through
+            the writer checkpoints use (``fitdp.atomic``).
         example_inputs: a tensor, a tuple/list of tensors (``module(*x)``) or a dict of
             tensors (``module(**x)``); dim 0 of each is the batch, of any size >= 1.
 
     Raises:
-        TypeError: ``example_inputs`` is not one of the forms above.
-        ValueError: bad batch sizes, forward fails on the inputs or fixes the batch size.
+        TypeError: ``example_inputs`` is not one of the forms above, or ``path`` not a path.
+        ValueError: bad batch sizes, forward fails on the inputs or fixes the batch size;
+            ``path`` is a folder or a FIFO or another special file.
         RuntimeError: ``torch.export`` cannot trace forward (e.g. data-dependent control flow).
         FileNotFoundError: the folder of ``path`` does not exist.
 
@@ -63,7 +66,7 @@ def export_module(
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Dropout(0.1))
         >>> export_module(net, "net.pt2", torch.randn(8, 4))
     """
-    path = Path(path)
+    path = Path(check_path("path", path))
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot export to {str(path)!r}: its folder does not exist")
     args, kwargs = _split_inputs(example_inputs)
@@ -96,7 +99,8 @@ def export_module(
             f"torch.export could not trace {name}.forward ({type(err).__name__}: {lines[0]}). "
             f"Fix: torch.where/torch.cond instead of Python if/loops on tensors; {_BATCH_HINT}"
         ) from err
-    _atomic_save(program, path)
+    with atomic_write(path) as f:  # readers of path see the old file or the new one
+        torch.export.save(program, f)
 
 
 def load_predictor(path: str | os.PathLike[str]) -> Predictor:
@@ -110,14 +114,13 @@ def load_predictor(path: str | os.PathLike[str]) -> Predictor:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: ``path`` is not a ``torch.export`` program.
+        ValueError: ``path`` is not a ``torch.export`` program, or is a folder, a FIFO or
+            another special file.
 
     Example:
         >>> probs = load_predictor("digits.pt2")(torch.randn(5, 1, 8, 8)).softmax(-1)
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no exported model at {str(path)!r} ({path.resolve()})")
+    path = Path(check_path("path", path, must_exist=True))
     try:  # checked first: torch.export.load logs a long traceback for files it cannot read
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -229,22 +232,3 @@ def _input_spec(program: ExportedProgram) -> list[InputSpec]:
         dtype = getattr(val, "dtype", None)  # None: a non-tensor input
         specs.append(InputSpec(keyword.get(i, name), shape, dtype, i in keyword))
     return specs
-
-
-def _atomic_save(program: ExportedProgram, path: Path) -> None:
-    """Write ``program`` to a temp file beside ``path``, fsync it, then rename over ``path``."""
-    # Same folder, so os.replace is a rename on one file system: readers see old or new file.
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            torch.export.save(program, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if os.name == "posix":  # the rename survives a crash only once the folder is synced too
-        fd = os.open(path.parent, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)

@@ -2,9 +2,13 @@
 
 A checkpoint is a plain ``torch.save`` zip. Its zip comment (the last field of a zip, which
 readers skip) holds ``b"FITDPCK1"`` and the hex SHA-256 of every byte that is not record data:
-headers, index and pickle framing, a few KB. Record data is covered by the CRC-32 that
-torch.save stores per record but torch.load never checks. So sealing hashes only a few KB,
-and verifying costs one CRC pass over the file.
+headers, index and pickle framing, a few KB. Record data is covered by the per-record CRC-32 of
+the zip format, which torch.load never checks. So sealing hashes only a few KB, and verifying
+costs one CRC pass over the file.
+
+fitdp computes those CRCs itself while torch.save streams each tensor's bytes through
+(``write_sealed``): torch's own CRC pass holds the GIL (about 0.3 ms per MB, stalling every
+other Python thread, e.g. training next to a background save), ``zlib.crc32`` releases it.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ import hashlib
 import io
 import os
 import struct
+import threading
 import zipfile
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO
+from typing import IO, Any, cast
 
 import torch
 
@@ -31,19 +36,134 @@ _SEAL_LEN = len(_SEAL_MAGIC) + 64  # hex digest: ASCII can never contain the b"P
 _EOCD_LEN = 22  # end-of-central-directory record without comment
 _LOCAL_HEADER_LEN = 30
 _CHUNK = 16 << 20  # CRC read size: big enough to run at memory speed, small enough to not matter
+_CRC_PASSING = 1 << 16  # writes this big get their CRC as they pass; smaller records are reread
+_WRITEBACK = 32 << 20  # start writing to disk every 32 MB while saving
+_CRC_LOCK = threading.Lock()
+_CRC_SAVES = 0  # fitdp saves running now, in any thread
+_TORCH_CRC_WAS_ON = True
+
+
+def write_sealed(f: IO[bytes], obj: Any) -> None:
+    """``torch.save(obj)`` into the empty file ``f``, with every record CRC-32 set, then sealed.
+
+    Args:
+        f: an empty file open for reading and writing (binary, seekable).
+        obj: what torch.save writes.
+    """
+    stream = _RecordStream(f)
+    with _torch_crcs_off():
+        torch.save(obj, cast(IO[bytes], stream))  # write+flush suffice
+    f.flush()
+    _set_record_crcs(f, stream.crcs)
+    seal(f)
 
 
 @contextmanager
-def record_crcs_on() -> Iterator[None]:
-    """Make torch.save store record CRC-32s; the seal relies on them (a global switch since 2.5)."""
-    was_on = getattr(torch.serialization, "get_crc32_options", lambda: True)()
-    if not was_on:
-        torch.serialization.set_crc32_options(True)
+def _torch_crcs_off() -> Iterator[None]:
+    """Turn torch.save's own CRC pass off while any fitdp save runs (a global switch since
+    torch 2.5; earlier versions always compute it, which costs time, not correctness).
+
+    A torch.save of the user's in another thread meanwhile stores CRC-32s of 0: torch.load
+    never reads them, other zip readers would complain."""
+    global _CRC_SAVES, _TORCH_CRC_WAS_ON
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    switch = getattr(torch.serialization, "set_crc32_options", None)
+    with _CRC_LOCK:
+        if _CRC_SAVES == 0 and get is not None and switch is not None:
+            _TORCH_CRC_WAS_ON = get()
+            switch(False)
+        _CRC_SAVES += 1
     try:
         yield
     finally:
-        if not was_on:
-            torch.serialization.set_crc32_options(False)
+        with _CRC_LOCK:
+            _CRC_SAVES -= 1
+            if _CRC_SAVES == 0 and switch is not None and _TORCH_CRC_WAS_ON:
+                switch(True)
+
+
+class _RecordStream:
+    """What torch.save writes to: notes the CRC-32 of each large write (torch hands over each
+    tensor's bytes as one memoryview, no copy) and, every ``_WRITEBACK`` bytes, asks the kernel
+    to start writing to disk, so the final fsync has little left to wait for."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.pos = self.flushed = f.tell()
+        self.crcs: dict[int, tuple[int, int]] = {}  # offset -> (size, CRC-32)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        size = view.nbytes
+        if size >= _CRC_PASSING:
+            self.crcs[self.pos] = (size, zlib.crc32(view))  # releases the GIL
+        self.f.write(view)
+        self.pos += size
+        if self.pos - self.flushed >= _WRITEBACK and hasattr(os, "posix_fadvise"):
+            self.f.flush()
+            # DONTNEED on dirty pages starts their writeback without waiting for it.
+            os.posix_fadvise(self.f.fileno(), self.flushed, self.pos - self.flushed,
+                             os.POSIX_FADV_DONTNEED)
+            self.flushed = self.pos
+        return size
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _set_record_crcs(f: IO[bytes], passed: dict[int, tuple[int, int]]) -> None:
+    """Write each record's CRC-32 into its data descriptor (or local header) and its central
+    directory entry; records not seen whole in ``passed`` are read back."""
+    with zipfile.ZipFile(f) as archive:
+        infos, pos = archive.infolist(), archive.start_dir
+    patches = []
+    for info in infos:
+        f.seek(pos)
+        entry = f.read(46)
+        if len(entry) != 46 or entry[:4] != b"PK\x01\x02":
+            raise RuntimeError("torch.save wrote an unexpected zip layout; cannot seal it")
+        name_len, extra_len, comment_len = struct.unpack("<HHH", entry[28:34])
+        start = _data_start(f, info)
+        size, crc = passed.get(start, (-1, 0))
+        if size != info.compress_size:
+            crc = _crc_of(f, start, info.compress_size)
+        packed = struct.pack("<I", crc)
+        patches.append((pos + 16, packed))
+        if info.flag_bits & 0x08:  # CRC in the data descriptor after the data
+            end = start + info.compress_size
+            f.seek(end)
+            patches.append((end + 4 if f.read(4) == b"PK\x07\x08" else end, packed))
+        else:
+            patches.append((info.header_offset + 14, packed))
+        pos += 46 + name_len + extra_len + comment_len
+    for offset, packed in patches:
+        f.seek(offset)
+        f.write(packed)
+    f.flush()
+
+
+def _data_start(f: IO[bytes], info: zipfile.ZipInfo) -> int:
+    """Offset of the first data byte of the record ``info``."""
+    f.seek(info.header_offset)
+    local = f.read(_LOCAL_HEADER_LEN)
+    if len(local) != _LOCAL_HEADER_LEN or local[:4] != b"PK\x03\x04":
+        raise ValueError(f"bad local header for record {info.filename}")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return info.header_offset + _LOCAL_HEADER_LEN + name_len + extra_len
+
+
+def _crc_of(f: IO[bytes], start: int, size: int, buf: memoryview | None = None) -> int:
+    """CRC-32 of ``size`` bytes of ``f`` from ``start``, read through ``buf`` (>= 1 byte)."""
+    if buf is None:
+        buf = memoryview(bytearray(max(1, min(size, _CHUNK))))
+    f.seek(start)
+    crc, left = 0, size
+    while left:
+        got = f.readinto(buf[: min(left, len(buf))])  # type: ignore[attr-defined]
+        if not got:
+            raise ValueError(f"truncated record at offset {start}")
+        crc, left = zlib.crc32(buf[:got], crc), left - got
+    return crc
 
 
 def _record_spans(f: IO[bytes], payload_end: int) -> list[tuple[str, int, int, int]]:
@@ -53,13 +173,7 @@ def _record_spans(f: IO[bytes], payload_end: int) -> list[tuple[str, int, int, i
         for info in archive.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
                 raise ValueError(f"record {info.filename} is compressed")
-            f.seek(info.header_offset)
-            local = f.read(_LOCAL_HEADER_LEN)
-            if len(local) != _LOCAL_HEADER_LEN or local[:4] != b"PK\x03\x04":
-                raise ValueError(f"bad local header for record {info.filename}")
-            name_len, extra_len = struct.unpack("<HH", local[26:30])
-            start = info.header_offset + _LOCAL_HEADER_LEN + name_len + extra_len
-            spans.append((info.filename, start, info.compress_size, info.CRC))
+            spans.append((info.filename, _data_start(f, info), info.compress_size, info.CRC))
     spans.sort(key=lambda s: s[1])
     end = 0
     for name, start, size, _ in spans:
@@ -121,12 +235,9 @@ def verify(f: io.BufferedReader, path: str) -> None:
         raise CheckpointError(f"{path}: corrupted: zip headers do not match the seal")
     buf = memoryview(bytearray(_CHUNK))
     for name, start, size, crc in spans:
-        f.seek(start)
-        actual, left = 0, size
-        while left:
-            got = f.readinto(buf[: min(left, _CHUNK)])
-            if not got:
-                raise CheckpointError(f"{path}: truncated inside record {name}")
-            actual, left = zlib.crc32(buf[:got], actual), left - got
+        try:
+            actual = _crc_of(f, start, size, buf)
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: truncated inside record {name}") from exc
         if actual != crc:
             raise CheckpointError(f"{path}: corrupted: CRC-32 mismatch in record {name}")

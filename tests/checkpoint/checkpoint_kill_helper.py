@@ -1,9 +1,13 @@
-"""Fork server for the SIGKILL test in test_checkpoint_io.py (not a test module).
+"""Fork server for the SIGKILL tests in tests/checkpoint/ (not a test module).
 
 Importing torch costs about a second, so this process imports it once and forks one saver per
 ``run`` line read from stdin; the saver resumes from ``PATH`` and rewrites it in a loop, and the
-test SIGKILLs it at a random moment. Protocol (one line each): the server prints ``ready``,
-then for each ``run``: ``pid <pid>`` when the saver starts and ``dead <pid>`` once reaped.
+test SIGKILLs it. ``MODE`` is ``sync`` (``save_checkpoint``) or ``async``
+(``AsyncCheckpointWriter.submit``, one save in flight while the next state is built).
+Protocol (one line each): the server prints ``ready``, then for each ``run``: ``pid <pid>``
+when the saver starts and ``dead <pid>`` once reaped.
+
+Usage: python checkpoint_kill_helper.py PATH [MODE]
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import sys
 
 import torch
 
+from fitdp.async_checkpoint import AsyncCheckpointWriter
 from fitdp.checkpoint import load_checkpoint, save_checkpoint
 
 ELEMENTS = 1 << 18  # 1 MB of float32 plus 2 MB of int64: a few MB per checkpoint
@@ -27,17 +32,22 @@ def make_state(counter: int) -> dict[str, object]:
     }
 
 
-def save_forever(path: str) -> None:
+def save_forever(path: str, mode: str) -> None:
     """Resume the counter from ``path`` and save increasing counters until killed."""
     counter = load_checkpoint(path)["counter"]
+    writer = AsyncCheckpointWriter() if mode == "async" else None
     while True:
         counter += 1
-        save_checkpoint(path, make_state(counter))
+        if writer is None:
+            save_checkpoint(path, make_state(counter))
+        else:
+            writer.submit(path, make_state(counter))
 
 
 def main() -> None:
     """Serve ``run`` lines until stdin closes."""
     path = sys.argv[1]
+    mode = sys.argv[2] if len(sys.argv) > 2 else "sync"
     torch.set_num_threads(1)  # the machine is shared; one core is plenty for 3 MB
     print("ready", flush=True)
     for line in sys.stdin:
@@ -46,7 +56,7 @@ def main() -> None:
         pid = os.fork()
         if pid == 0:
             try:
-                save_forever(path)
+                save_forever(path, mode)
             finally:
                 os._exit(1)  # never fall back into the server loop
         print(f"pid {pid}", flush=True)

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import pickle
 import random
 import re
-import select
-import signal
 import struct
 import subprocess
-import sys
-import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from ckpt_support import assert_same, temp_files
 
 from fitdp import checkpoint, seal
 from fitdp.checkpoint import (
@@ -33,34 +29,6 @@ from fitdp.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-
-TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
-HELPER = Path(__file__).with_name("checkpoint_kill_helper.py")
-
-
-def temp_files(folder: Path) -> list[str]:
-    """Names of save_checkpoint's temporary files in ``folder``."""
-    return [name for name in os.listdir(folder) if ".tmp-" in name]
-
-
-def assert_same(actual: Any, expected: Any, where: str = "state") -> None:
-    """Recursive equality that also checks tensor dtypes and container types."""
-    assert type(actual) is type(expected) or (
-        isinstance(actual, dict) and isinstance(expected, dict)
-    ), f"{where}: {type(actual)} != {type(expected)}"
-    if isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype, where
-        assert torch.equal(actual, expected), where
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for key in expected:
-            assert_same(actual[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for index, (a, e) in enumerate(zip(actual, expected)):
-            assert_same(a, e, f"{where}[{index}]")
-    else:
-        assert actual == expected, where
 
 
 def small_state() -> dict[str, Any]:
@@ -320,146 +288,6 @@ def test_malicious_pickle_is_refused_without_running(
     else:
         torch.load(path, weights_only=False)
     assert marker.exists()
-
-
-# --- failures while saving -------------------------------------------------------------------
-
-
-def _fail_fsync(fd: int) -> None:
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
-def _fail_replace(src: str, dst: str) -> None:
-    raise PermissionError(errno.EACCES, "Permission denied", dst)
-
-
-def _fail_open(path: str, flags: int, mode: int = 0o777) -> int:
-    raise PermissionError(errno.EACCES, "Permission denied", path)
-
-
-def _half_written_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-    f.write(b"PK\x03\x04" + b"\0" * 4096)
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
-@pytest.mark.parametrize(
-    ("target", "attribute", "fake", "error"),
-    [
-        (os, "fsync", _fail_fsync, errno.ENOSPC),
-        (os, "replace", _fail_replace, errno.EACCES),
-        (os, "open", _fail_open, errno.EACCES),
-        (torch, "save", _half_written_save, errno.ENOSPC),
-    ],
-    ids=["fsync ENOSPC", "replace EACCES", "open EACCES", "write ENOSPC mid-file"],
-)
-def test_failed_save_keeps_previous_file_and_no_temp(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: Any, attribute: str, fake: Any,
-    error: int
-) -> None:
-    path = tmp_path / "model.ckpt"
-    save_checkpoint(path, {"step": 1, "w": torch.arange(1000.0)})
-    before = path.read_bytes()
-
-    monkeypatch.setattr(target, attribute, fake)
-    with pytest.raises(OSError) as info:
-        save_checkpoint(path, {"step": 2, "w": torch.zeros(1000)})
-    monkeypatch.undo()
-
-    assert info.value.errno == error
-    assert path.read_bytes() == before
-    assert temp_files(tmp_path) == []
-    assert load_checkpoint(path)["step"] == 1
-
-
-def test_interrupt_mid_save_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def interrupted(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        f.write(b"partial")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(torch, "save", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(tmp_path / "m.ckpt", {"a": 1})
-    assert os.listdir(tmp_path) == []
-
-
-# --- SIGKILL at random moments ---------------------------------------------------------------
-
-
-def read_line(
-    proc: subprocess.Popen[bytes], buffer: bytearray, deadline: float, errors: Path
-) -> str:
-    """Next stdout line of ``proc``, failing instead of hanging after ``deadline``."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    while b"\n" not in buffer:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise TimeoutError(f"helper silent; its stderr:\n{errors.read_text()}")
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            raise EOFError(f"helper exited; its stderr:\n{errors.read_text()}")
-        buffer += chunk
-    line, _, rest = bytes(buffer).partition(b"\n")
-    buffer[:] = rest
-    return line.decode()
-
-
-def test_sigkill_at_random_moments_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
-    folder, errors = tmp_path / "ckpts", tmp_path / "helper-stderr.txt"
-    path = folder / "latest.ckpt"
-    save_checkpoint(path, {"counter": 0, "weights": torch.zeros(1),
-                           "nested": {"steps": [torch.zeros(1, dtype=torch.int64), 0]}})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(HELPER.parent.parent), os.environ.get("PYTHONPATH", "")])}
-    rng = random.Random(1234)
-    deadline = time.monotonic() + 50
-    with open(errors, "wb") as stderr:  # a file, not a pipe: reading it can never block
-        proc = subprocess.Popen([sys.executable, str(HELPER), str(path)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=stderr, env=env, bufsize=0)
-    saver_pid = None
-    buffer = bytearray()
-    last_counter, kills_mid_write = 0, 0
-    try:
-        assert read_line(proc, buffer, deadline, errors) == "ready"
-        for _ in range(30):
-            assert proc.stdin is not None
-            proc.stdin.write(b"run\n")
-            saver_pid = int(read_line(proc, buffer, deadline, errors).split()[1])
-            time.sleep(rng.uniform(0.02, 0.2))
-            os.kill(saver_pid, signal.SIGKILL)
-            assert read_line(proc, buffer, deadline, errors) == f"dead {saver_pid}"
-            saver_pid = None
-
-            leftovers = temp_files(folder)
-            kills_mid_write += bool(leftovers)
-            for name in leftovers:
-                match = TEMP_NAME.match(name)
-                assert match and match["name"] == path.name, name
-            state = load_checkpoint(path)
-            counter = state["counter"]
-            assert counter >= last_counter, "a newer checkpoint was lost"
-            last_counter = counter
-            steps, step_counter = state["nested"]["steps"]
-            assert bool((state["weights"] == counter).all()), "torn write: mixed counters"
-            assert bool((steps == counter).all()) and step_counter == counter
-            assert sorted(remove_stale_temp_files(folder)) == sorted(
-                str(folder / name) for name in leftovers)
-            assert os.listdir(folder) == [path.name]
-    finally:
-        if saver_pid is not None:
-            try:
-                os.kill(saver_pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.stdin is not None:
-            proc.stdin.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert last_counter > 0, "the saver never completed a save"
-    assert kills_mid_write > 0, "no kill landed inside a save; the test proved nothing"
 
 
 # --- folder helpers and RNG state ------------------------------------------------------------
