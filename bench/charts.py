@@ -65,18 +65,20 @@ def overhead(data: dict[str, Any], keras: dict[str, Any] | None, path: Path, not
 
 
 def checkpoint(data: dict[str, Any], path: Path, note: str) -> None:
-    save, copy = data["save_s"], data["copy"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.0))
-    names = ["fitdp Model.save", "  of which training_state()", "bare torch.save",
-             "torch.save + fsync"]
-    _bars(axes[0], [n.strip() for n in names], [save[n] * 1e3 for n in names],
-          [FITDP, PART, HAND, HAND], f"save, {data['params'] / 1e6:.1f}M parameters + Adam",
+    sync, asyn, copy = data["sync"]["median_s"], data["async"], data["copy"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.0))
+    names = ["fitdp save_checkpoint", "bare torch.save", "torch.save + fsync"]
+    _bars(axes[0], names, [sync[n] * 1e3 for n in names], [FITDP, HAND, HAND],
+          f"save, {data['params'] / 1e6:.1f}M parameters + Adam",
           "ms per save (lower is better)", "{:,.1f}")
-    _bars(axes[1], ["copy_to, 2 replicas -> host", "memcpy"],
+    _bars(axes[1], ["async: training lost", "of which submit", "sync save"],
+          [asyn["median_lost_s"] * 1e3, asyn["median_submit_s"] * 1e3,
+           sync["fitdp save_checkpoint"] * 1e3], [FITDP, PART, HAND],
+          "training time lost per save", "ms (lower is better)", "{:,.1f}")
+    _bars(axes[2], ["copy_to, 2 replicas -> host", "memcpy"],
           [copy["copy_to GB/s"], copy["memcpy GB/s"]], [FITDP, HAND], "weights to the host",
           "GB/s read + written (higher is better)", "{:,.1f}")
     _save(fig, path, "Checkpoints: fitdp against bare torch", note)
-
 
 def bucketing(data: dict[str, Any], path: Path, note: str) -> None:
     r = data["results"]

@@ -177,8 +177,10 @@ ABOUT = {
                 "replica threads (`devices=[\"cpu\", \"cpu\"]`) against one. The Keras 3 peer "
                 "(torch backend, `bench/keras_peer.py`) times `model.fit` on the same two MLPs "
                 "against the same hand loop, interleaved in its own process.",
-    "checkpoint": "`Model.save` (atomic, fsyncs file and folder) against a bare `torch.save` of "
-                  "the same state dicts, and `copy_to` from two CPU replicas against a memcpy.",
+    "checkpoint": "A 25M-parameter MLP with Adam state: `save_checkpoint` (atomic, sealed, "
+                  "fsyncs file and folder) against `torch.save` + fsync of the same state; the "
+                  "training time an asynchronous save costs against a synchronous one; and "
+                  "`copy_to` from two CPU replicas against a memcpy.",
     "bucketing": "A GRU classifier on 4,000 sequences with log-normal lengths in [4, 256]: "
                  "real tokens/s (padding excluded, per second of CPU time of the fastest epoch) "
                  "of three hand loops and `fitdp.BucketIterator`, and the memory of 20 buckets "

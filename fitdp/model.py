@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitdp.async_checkpoint import AsyncCheckpointWriter
 from fitdp.callbacks import Callback, History
 from fitdp.devices import DevicesArg
 from fitdp.distributed import DEFAULT_TIMEOUT, report_failure
@@ -63,6 +64,7 @@ class Model(ModelIO):
         self._trainer: Trainer | None = None
         self._replicas: Replicas | None = None
         self._session: Session | None = None
+        self._writer: AsyncCheckpointWriter | None = None  # async saves, made on first use
 
     # -- what callbacks and users read ------------------------------------------------------
 
@@ -274,7 +276,9 @@ class Model(ModelIO):
     def close(self) -> None:
         """Release the replicas and their worker threads (the weights stay in ``module``);
         wait for background saves. The model stays usable: a later call starts new ones."""
-        self.wait_for_saves()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()  # waits for the last save; raises its error
         self._release()
 
     def __enter__(self) -> Model:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fitdp.async_checkpoint import AsyncCheckpointWriter
 from fitdp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fitdp.export import export_module
 from fitdp.persist import (
@@ -21,6 +22,7 @@ from fitdp.persist import (
 )
 from fitdp.plans import FitPlan
 from fitdp.validate import check_path
+from fitdp.weights_io import load_weights_file, save_weights_file
 
 if TYPE_CHECKING:
     from torch import nn
@@ -69,6 +71,7 @@ class ModelIO:
     _trainer: Trainer | None
     _replicas: Replicas | None
     _session: Session | None
+    _writer: AsyncCheckpointWriter | None
 
     def _sync_host(self) -> None:
         """Average the replicas into the host module (a no-op with the module as replica)."""
@@ -94,7 +97,7 @@ class ModelIO:
         objects["rng"] = RNG
         return objects
 
-    def save(self, path: str | os.PathLike[str]) -> None:
+    def save(self, path: str | os.PathLike[str], *, async_save: bool = False) -> None:
         """Write a checkpoint to ``path`` atomically (only the main process writes).
 
         It holds the device-averaged weights, optimizer, scheduler and scaler state, the
@@ -103,18 +106,36 @@ class ModelIO:
         ``torch.load(weights_only=True)``. Taken between optimizer steps: batches of an
         unfinished gradient accumulation are trained again on resume.
 
+        With ``async_save``, the state is copied to host memory and the call returns; a
+        background thread writes, fsyncs and renames it (still atomic). At most one save is
+        in flight (the next waits for it); a background save's error is raised by the next
+        ``save``, by ``wait_for_saves()`` and at the end of ``fit``, which returns only once
+        the last save is on disk.
+
         Raises:
             ValueError: ``path`` is a folder or a special file. OSError: the write failed
                 (the previous file is untouched).
         """
         path = check_path("path", path)
         state = snapshot(self._checkpoint_objects(path))
-        if self.is_main_process:
+        if not self.is_main_process:
+            return
+        if async_save:
+            if self._writer is None:
+                self._writer = AsyncCheckpointWriter()
+            self._writer.submit(path, state)
+        else:
+            self.wait_for_saves()  # files land in the order they were asked for
             save_checkpoint(path, state)
 
     def wait_for_saves(self) -> None:
-        """Block until every checkpoint this model wrote is on disk (raises a background
-        save's error)."""
+        """Block until every checkpoint this model wrote is on disk.
+
+        Raises:
+            OSError (or what the write raised): a background save failed.
+        """
+        if self._writer is not None:
+            self._writer.wait()
 
     def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> Skipped:
         """Restore weights (into every replica) and, when compiled, optimizer, scheduler and
@@ -172,6 +193,32 @@ class ModelIO:
         entry = ModuleState(self, "set_weights(weights)", strict=strict, error=ValueError)
         entry.load_state_dict(weights)
         warn_skipped(entry.skipped, "set_weights")
+        return entry.skipped
+
+    def save_weights(self, path: str | os.PathLike[str]) -> None:
+        """Write the device-averaged weights alone (Keras's ``save_weights``): a
+        ``.safetensors`` file (no pickle; any safetensors reader loads it; needs
+        ``pip install "fitdp[safetensors]"``) or, for any other name, a sealed fitdp weights
+        file. A checkpoint (``save``) stays the format for resuming. Only the main process
+        writes."""
+        path = check_path("path", path)
+        self._sync_host()
+        if self.is_main_process:
+            self.wait_for_saves()
+            save_weights_file(path, self.module.state_dict())
+
+    def load_weights(self, path: str | os.PathLike[str], *, strict: bool = True) -> Skipped:
+        """Load weights written by ``save_weights`` (or any safetensors file) into the host
+        module and every replica, after checking every name, shape and dtype.
+
+        Raises:
+            fitdp.CheckpointError: a damaged or foreign file, or weights that do not fit
+                (nothing is written); ``strict=False`` loads what fits instead.
+        """
+        path = check_path("path", path, must_exist=True)
+        entry = ModuleState(self, path, strict=strict)
+        entry.load_state_dict(load_weights_file(path))
+        warn_skipped(entry.skipped, path)
         return entry.skipped
 
     def nonfinite_weights(self) -> list[str]:
