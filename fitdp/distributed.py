@@ -124,18 +124,27 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def average_buffers(replicas: Sequence[Sequence[torch.Tensor]], world_size: int) -> None:
-    """Average each floating buffer over this rank's replicas and every rank, into all of them
-    (BatchNorm running statistics; called at epoch ends, when every rank is in step)."""
-    with torch.no_grad():
-        for block in replicas:
-            if not block[0].is_floating_point():
-                continue
-            mean = torch.stack([b.to(block[0].device) for b in block]).mean(0)
-            dist.all_reduce(mean)
-            mean /= world_size
-            for b in block:
-                b.copy_(mean)
+def check_even(info: DistInfo, name: str, counts: dict[str, int | None]) -> None:
+    """Every rank must see the same amount of data, or the ranks fall out of step in a
+    collective (gloo aborts with "Received data size doesn't match"), or one finishes early.
+    Checked before the first step, on every rank alike.
+
+    Raises:
+        ValueError: on every rank, naming each rank's counts.
+    """
+    if not info.enabled:
+        return
+    parts: list[Any] = [None] * info.world_size
+    dist.all_gather_object(parts, counts)
+    if all(p == parts[0] for p in parts):
+        return
+    seen = "; ".join(f"rank {r}: " + ", ".join(f"{v} {k}" for k, v in p.items())
+                     for r, p in enumerate(parts))
+    raise ValueError(
+        f"{name}: the ranks see different amounts of data ({seen}); expected the same on "
+        f"every rank. Fix: pass the same, whole data set on every rank (fitdp gives each "
+        f"rank its shard), or make every rank's loader yield as many batches."
+    )
 
 
 def gather_rows(keyed: list[_Row]) -> list[_Row]:

@@ -242,7 +242,7 @@ class Model(ModelIO):
         """The replicas for ``placement`` (reused when they fit), holding the host weights,
         with the optimizer bound to them. Built whole before the old ones go."""
         current = self._replicas
-        if current is not None and current.fits(placement, trainer):
+        if current is not None and current.fits(self.module, placement, trainer):
             current.load_host(self.module)
             return current
         if placement.default_bucket_key is None and current is not None:

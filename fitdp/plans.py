@@ -93,6 +93,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
     train = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
                         class_weight=class_weight, rank=info.rank, world_size=info.world_size)
     num = train.num_batches
+    distributed.check_even(info, "x", _amounts(train))
     if steps is None and epochs - initial_epoch > 1 and num is None and _one_shot(x):
         fail("x", f"a one-shot iterator ({type(x).__name__})", f"data that can be iterated "
              f"{epochs - initial_epoch} times, or steps_per_epoch", "pass steps_per_epoch= "
@@ -100,6 +101,8 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
              "re-iterable object", described=True)
     val = None if validation_data is None else _validation_source(validation_data, val_batch,
                                                                   seed, info)
+    if val is not None:
+        distributed.check_even(info, "validation_data", _amounts(val))
     cbs = _callbacks(model, callbacks, verbose, epochs=epochs, batch_size=batch_size,
                      steps=steps or num)
     return FitPlan(
@@ -119,6 +122,7 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
     placement, info = _place(model, devices, None, distributed.DEFAULT_TIMEOUT, None)
     source = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=False, seed=0,
                          has_labels=has_labels, rank=info.rank, world_size=info.world_size)
+    distributed.check_even(info, "x", _amounts(source))
     cbs = _callbacks(model, callbacks, verbose, steps=steps or source.num_batches,
                      batch_size=batch_size)
     return CallPlan(source=source, callbacks=cbs, placement=_bucketed(placement, source),
@@ -137,6 +141,10 @@ def _place(model: Any, devices: DevicesArg, work_load_list: Any, timeout: float,
     distributed.join(info, devs, timeout)
     model.is_main_process = info.is_main  # before callbacks ask the model
     return Placement(tuple(devs), tuple(loads), info.enabled), info
+
+
+def _amounts(source: DataSource) -> dict[str, int | None]:
+    return {"samples": source.plan().num_samples, "batches": source.num_batches}
 
 
 def _bucketed(placement: Placement, source: DataSource) -> Placement:

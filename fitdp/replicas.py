@@ -78,8 +78,10 @@ class Replicas:
         if autocast is torch.float16 and trainer is not None and trainer.scaler is None:
             trainer.scaler = torch.amp.GradScaler("cuda")
 
-    def fits(self, placement: Placement, trainer: Trainer | None) -> bool:
-        """Whether this call can run on these replicas as they are."""
+    def fits(self, module: nn.Module, placement: Placement, trainer: Trainer | None) -> bool:
+        """Whether this call can run on these replicas as they are (same placement and
+        compile, and no parameter of ``module`` frozen or unfrozen since they were made:
+        gradients exist only for the trainable ones)."""
         here = self.placement
         same_bucket = placement.default_bucket_key is None or (
             placement.default_bucket_key == here.default_bucket_key)
@@ -87,7 +89,7 @@ class Replicas:
                 and placement.work_load_list == here.work_load_list
                 and placement.distributed == here.distributed and same_bucket
                 and (trainer is self.trainer or trainer is None)
-                and not self.manager.trainable_changed())
+                and [p.requires_grad for p in module.parameters()] == self.manager.trainable)
 
     def prepare(self, plan: SourcePlan) -> None:
         """Before the first step: input buffers for the largest batch, and every bucket's

@@ -59,7 +59,8 @@ class Session:
         self.exact_logs = cbs.sync_every_batch or (
             cpu and not plan.info.enabled and getattr(cbs, "needs_batch_logs", True))
         self.data_state: dict[str, Any] | None = None  # train source at the last step
-        self.checked = False  # the first batch's checks are done
+        self.checked = False  # the first batch ran (its errors came back with context)
+        self.verified = False  # the checks that need the model's outputs are done
         if self.monitor is not None:
             self.mgr.install_monitor(self.monitor)
 
@@ -130,7 +131,7 @@ class Session:
                 # step begins (monitors, callbacks).
                 self.mgr.zero_grad()
             self._run(batch, is_train=True)
-            if not self.checked:
+            if not self.verified:
                 self._first_batch_checks(batch)
             run.micro_step += 1
             if run.micro_step >= trainer.config.grad_accum_steps:
@@ -169,7 +170,7 @@ class Session:
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
             self._run(batch, is_train=False)
-            if not self.checked:
+            if not self.verified:
                 self._first_batch_checks(batch)
             return self._batch_logs(index)
 
@@ -233,6 +234,7 @@ class Session:
         """Checks that need the model's outputs, made once per call before the first
         optimizer step: every target in range (the whole in-memory label tensor), and the
         validation data shaped like the training data."""
+        self.verified = True
         if self.trainer is None or batch.label is None:
             return
         outputs = self.mgr.outputs()

@@ -108,6 +108,17 @@ def test_a_failing_rank_stops_every_rank(tmp_path, fault):
         assert "worker.py" in output  # torchrun names the failed script and rank
 
 
+def test_ranks_with_different_data_fail_before_the_first_step(tmp_path):
+    """Regression: ranks with different amounts of data died with a gloo SIGABRT ("Received
+    data size doesn't match") and a rank that finished early was not named."""
+    code, output, seconds = launch("uneven", tmp_path, limit=90)
+    assert code != 0 and seconds < 60
+    assert "different amounts of data" in output
+    assert "rank 0: 45 samples, 5 batches" in output
+    assert "rank 1: 40 samples, 4 batches" in output
+    assert "Received data size" not in output
+
+
 def test_torchrun_restart_resumes_to_the_same_weights(tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ref_dir.mkdir()

@@ -187,7 +187,8 @@ class DataParallelExecutorGroup:
         if self.stochastic is None:
             if sum(ex.device.type == "cpu" for ex in self.executors) < 2:
                 self.stochastic = False
-            elif any(isinstance(m, _RANDOM_LAYERS) for m in self.executors[0].module.modules()):
+            elif any(isinstance(m, _RANDOM_LAYERS) and getattr(m, "p", 1) > 0
+                     for m in self.executors[0].module.modules()):
                 self.stochastic = True
         return self.stochastic is not False
 

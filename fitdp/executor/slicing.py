@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -22,10 +23,10 @@ def check_work_load_list(work_load_list: Sequence[float] | None, num_devices: in
         )
     loads = []
     for w in work_load_list:
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < math.inf:
             raise ValueError(
-                f"work_load_list: got {list(work_load_list)}; every entry must be a positive "
-                f"number (a device's relative share of each batch)"
+                f"work_load_list: got {list(work_load_list)}; every entry must be a positive, "
+                f"finite number (a device's relative share of each batch)"
             )
         loads.append(float(w))
     return loads

@@ -112,11 +112,6 @@ class OptimizerStepMixin:
         """Device 0's trainable parameters: the ones the optimizer steps."""
         return [block[0] for block, on in zip(self.param_arrays, self.trainable) if on]
 
-    def trainable_changed(self) -> bool:
-        """Whether ``requires_grad`` changed on a parameter since the manager was built (a
-        layer unfrozen between two fits needs a manager that has gradients for it)."""
-        return [block[0].requires_grad for block in self.param_arrays] != self.trainable
-
     def zero_grad(self) -> None:
         """Zero the gradients on every device."""
         if self.flat is not None:

@@ -93,5 +93,8 @@ elif SCENARIO == "stop_with_checkpoint":
     ckpt = ModelCheckpoint(os.path.join(OUT, "c.ckpt"), save_freq=1, monitor="loss")
     m.fit(x, y, batch_size=5, epochs=2, seed=3, verbose=0,
           callbacks=[ckpt, LambdaCallback(on_train_batch_end=stop)])
+elif SCENARIO == "uneven":
+    x, y = data(45 if RANK == 0 else 40)  # each rank passed its own, different data
+    model().fit(x, y, batch_size=5, verbose=0, timeout=20)
 else:
     raise SystemExit(f"unknown scenario {SCENARIO}")

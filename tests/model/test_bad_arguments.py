@@ -1,0 +1,104 @@
+"""Property: any bad argument to compile/fit/evaluate/predict raises a TypeError/ValueError
+naming it, and leaves weights, optimizer state, step and data position as they were."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fitdp
+
+SEQS = [torch.randint(1, 9, (n,)) for n in [2, 3, 4] * 8]
+LABELS = torch.tensor([0, 1, 2] * 8)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x).mean(1))
+
+
+def trained() -> tuple[fitdp.Model, fitdp.BucketIterator]:
+    torch.manual_seed(0)
+    model = fitdp.Model(Net())
+    model.compile(optimizer="adam", lr=0.01)
+    it = fitdp.BucketIterator(SEQS, LABELS, batch_size=4, buckets=[2, 3, 4], seed=0)
+    model.fit(it, steps_per_epoch=2, verbose=0)  # the iterator is now mid-epoch
+    return model, it
+
+
+def state(model: fitdp.Model, it: fitdp.BucketIterator) -> tuple:
+    return ({k: v.clone() for k, v in model.module.state_dict().items()},
+            repr(model.optimizer.state_dict()), model.global_step, it.state_dict())
+
+
+def same(a: tuple, b: tuple) -> bool:
+    return (a[0].keys() == b[0].keys() and all(torch.equal(v, b[0][k]) for k, v in a[0].items())
+            and a[1:] == b[1:])
+
+
+not_a_number = st.one_of(st.booleans(), st.text(max_size=3), st.none(), st.just([1]),
+                         st.sampled_from([math.nan, math.inf, -math.inf]))
+negative = st.one_of(st.integers(max_value=-1), st.floats(max_value=-1e-3, allow_nan=False,
+                                                           allow_infinity=False))
+BAD = {
+    ("compile", "lr"): st.one_of(negative, st.booleans(), st.text(max_size=2),
+                                 st.sampled_from([math.nan, math.inf])),
+    ("compile", "grad_clip_norm"): st.one_of(negative, st.just(0), st.booleans(),
+                                             st.sampled_from([math.nan, math.inf])),
+    ("compile", "grad_accum_steps"): st.one_of(st.integers(max_value=0), not_a_number,
+                                               st.floats(allow_nan=True)),
+    ("compile", "precision"): st.text(max_size=4),
+    ("compile", "metrics"): st.one_of(st.integers(), st.text(min_size=1, max_size=3)),
+    ("compile", "optimizer"): st.one_of(st.integers(), st.text(min_size=1, max_size=3)),
+    ("compile", "loss"): st.one_of(st.integers(), st.text(min_size=1, max_size=3)),
+    ("fit", "batch_size"): st.one_of(st.integers(max_value=0), not_a_number),
+    ("fit", "epochs"): st.one_of(st.integers(max_value=-1), not_a_number),
+    ("fit", "steps_per_epoch"): st.one_of(st.integers(max_value=0), st.booleans(),
+                                          st.text(max_size=2)),
+    ("fit", "timeout"): st.one_of(negative, st.just(0), not_a_number),
+    ("fit", "validation_freq"): st.one_of(st.integers(max_value=0), st.text(max_size=2)),
+    ("fit", "devices"): st.one_of(st.just([]), st.integers(max_value=0),
+                                  st.just(["cpu", 1.5]), st.just("tpu")),
+    ("fit", "work_load_list"): st.lists(st.one_of(negative, not_a_number), min_size=2,
+                                        max_size=2),
+    ("fit", "verbose"): st.one_of(st.integers(min_value=3), st.text(min_size=2, max_size=3)),
+    ("fit", "callbacks"): st.one_of(st.integers(), st.just([print])),
+    ("fit", "seed"): st.one_of(st.floats(), st.text(max_size=2)),
+    ("evaluate", "batch_size"): st.one_of(st.integers(max_value=0), not_a_number),
+    ("evaluate", "steps"): st.one_of(st.integers(max_value=0), st.text(max_size=2)),
+    ("predict", "batch_size"): st.one_of(st.integers(max_value=0), not_a_number),
+    ("predict", "steps"): st.one_of(st.integers(max_value=0), st.text(max_size=2)),
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_bad_arguments_raise_and_change_nothing(data):
+    method, name = data.draw(st.sampled_from(sorted(BAD)))
+    value = data.draw(BAD[(method, name)])
+    model, it = trained()
+    before = state(model, it)
+    call = getattr(model, method)
+    try:
+        if method == "compile":
+            call(**{name: value})
+        elif method == "fit":
+            call(it, devices=["cpu", "cpu"], verbose=0, **{name: value}) if name not in (
+                "devices", "work_load_list") else call(it, verbose=0, **{name: value})
+        elif method == "evaluate":
+            call(it, verbose=0, **{name: value})
+        else:
+            call(it, **{name: value})
+    except (TypeError, ValueError) as err:
+        assert name.split("_")[0] in str(err) or name in str(err), str(err)
+    else:
+        raise AssertionError(f"{method}({name}={value!r}) did not raise")
+    assert same(state(model, it), before), f"{method}({name}={value!r}) changed the model"
