@@ -52,7 +52,8 @@ def test_loading_another_models_checkpoint_changes_nothing(trained):
     model = make()
     model.fit(X, Y, verbose=0)
     before = snapshot(model)
-    with pytest.raises(fitdp.CheckpointError, match=r"other.ckpt.*'2.weight'.*\(5, 16\).*\(3, 16\)"):
+    words = r"other.ckpt.*'2.weight'.*\(5, 16\).*\(3, 16\)"
+    with pytest.raises(fitdp.CheckpointError, match=words):
         model.load(trained)
     assert unchanged(model, before)
     with pytest.raises(fitdp.CheckpointError, match="2.weight"):
