@@ -241,7 +241,7 @@ class Session:
         if not outputs:
             return
         objective = self.trainer.objective
-        labels = getattr(self.plan.source, "y", None)
+        labels = self.plan.source.plan().targets
         problem = objective.label_problem(outputs[0], batch.label if labels is None else labels)
         if problem:
             fail("y", problem, "class indices below the number of outputs",
@@ -342,7 +342,7 @@ def _check_validation(val: DataSource, batch: DataBatch, objective: Any, outputs
             objective.check_targets(sample.label)
         except ValueError as err:
             raise ValueError(f"validation_data: {err}") from None
-        labels = getattr(val, "y", None)
+        labels = val.plan().targets
         problem = objective.label_problem(outputs, sample.label if labels is None else labels)
         if problem:
             fail("validation_data", problem, "class indices below the number of outputs",
@@ -352,7 +352,7 @@ def _check_validation(val: DataSource, batch: DataBatch, objective: Any, outputs
 def _first_batch(source: DataSource) -> DataBatch | None:
     """The first batch of a validation source, without moving it (None when it cannot be
     read twice, like a generator)."""
-    if getattr(source, "one_shot", False):
+    if not source.plan().replayable:
         return None
     state = source.state_dict()
     source.set_epoch(0)

@@ -72,7 +72,7 @@ class LoaderSource:
             n = len(dataset) if dataset is not None else None  # type: ignore[arg-type]
         except TypeError:
             n = None
-        return SourcePlan(num_samples=n)
+        return SourcePlan(num_samples=n, replayable=not self.one_shot)
 
     def set_epoch(self, epoch: int) -> None:
         sampler: Any = getattr(self.loader, "sampler", None)

@@ -28,6 +28,10 @@ class SourcePlan:
         rows_per_step: rows of every full step when the source fixes it (in-memory tensors);
             None when the source brings its own batches.
         num_samples: samples per epoch when known.
+        targets: every target of the data when it is in memory (the whole label tensor is
+            checked against the model's outputs before the first step), else None.
+        replayable: the source can be read from its start again (False for a generator):
+            validation data is then checked before training from its first batch.
 
     Example:
         >>> SourcePlan(rows_per_step=32).bucket_keys
@@ -39,6 +43,8 @@ class SourcePlan:
     inputs: Sequence[DataDesc] = field(default_factory=tuple)
     rows_per_step: int | None = None
     num_samples: int | None = None
+    targets: Any = None
+    replayable: bool = True
 
 
 @runtime_checkable

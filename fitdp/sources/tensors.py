@@ -60,7 +60,8 @@ class TensorSource:
         return self.num_batches
 
     def plan(self) -> SourcePlan:
-        return SourcePlan(rows_per_step=self.batch_size, num_samples=self.num_samples)
+        return SourcePlan(rows_per_step=self.batch_size, num_samples=self.num_samples,
+                          targets=self.y)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.position = epoch, 0

@@ -1,0 +1,40 @@
+"""ShardedStep: the optimizer step split over CPU replica threads is the full step, bit for
+bit, for every optimizer it accepts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fitdp.executor.step import SHARDABLE, ShardedStep
+from fitdp.executor.workers import DeviceWorkers
+
+
+@pytest.mark.parametrize("cls", SHARDABLE, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("shards", [2, 3])
+def test_sharded_step_is_bitwise_the_full_step(cls, shards):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(9, 17), nn.Tanh(), nn.Linear(17, 4))
+    twin = copy.deepcopy(net)
+    opts = [cls(m.parameters(), lr=0.01) for m in (net, twin)]
+    workers = DeviceWorkers(shards)
+    sharded = ShardedStep(opts[1], workers, shards)
+    for step in range(3):
+        x = torch.randn(8, 9, generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((net, twin), opts):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+        opts[0].step()
+        sharded.step()
+    for a, b in zip(net.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    assert sharded.fits(opts[1]) and not sharded.fits(opts[0])
+    workers.close()
+
+
+def test_unsupported_optimizers_are_not_sharded():
+    opt = torch.optim.LBFGS(nn.Linear(2, 2).parameters())
+    assert not ShardedStep.supports(opt)
