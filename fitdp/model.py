@@ -16,6 +16,7 @@ from fitdp.devices import DevicesArg
 from fitdp.distributed import DEFAULT_TIMEOUT, report_failure
 from fitdp.executor.interrupts import GUARD
 from fitdp.metrics import MetricsArg
+from fitdp.model_extras import ModelExtras
 from fitdp.model_io import ModelIO
 from fitdp.monitor import Monitor
 from fitdp.optimizers import OptimizerArg
@@ -28,7 +29,7 @@ from fitdp.trainer import CompileConfig, Trainer
 from fitdp.validate import fail
 
 
-class Model(ModelIO):
+class Model(ModelIO, ModelExtras):
     """A Keras-style facade over a ``torch.nn.Module``, trained data-parallel.
 
     Args:

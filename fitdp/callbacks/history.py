@@ -30,6 +30,7 @@ class History(Callback):
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
         self._last_logs: dict[str, float] | None = None
+        self._recorded: set[str] = set()  # keys of `_last_logs` taken at its epoch's end
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         # A reused History starts over; a resumed fit loads its state after this.
@@ -43,6 +44,7 @@ class History(Callback):
         # History runs first (so checkpoints hold this epoch); keys that later callbacks add
         # to the same logs dict are picked up by `_backfill`.
         self._last_logs = logs
+        self._recorded = set(logs or {})
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         self._backfill()
@@ -51,11 +53,13 @@ class History(Callback):
         self._backfill()
 
     def _backfill(self) -> None:
-        """Record the values other callbacks added to the last epoch's logs after this one."""
+        """Record the values other callbacks added to the last epoch's logs after this one
+        (a key of only some epochs, like `val_loss` with `validation_freq`, is not one)."""
         for key, value in (self._last_logs or {}).items():
-            series = self.history.setdefault(key, [])
-            if len(series) < len(self.epoch):  # idempotent: one value per epoch
-                series.append(float(value))
+            if key in self._recorded:
+                continue
+            self._recorded.add(key)  # idempotent: at most once per epoch
+            self.history.setdefault(key, []).append(float(value))
 
     def state_dict(self) -> dict[str, Any]:
         """The recorded epochs and values (plain lists: loads with `weights_only=True`)."""

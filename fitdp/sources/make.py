@@ -15,7 +15,7 @@ from fitdp.sources.loaders import EpochSampler, LoaderSource
 from fitdp.sources.protocol import DataSource
 from fitdp.sources.sharded import ShardedSource
 from fitdp.sources.tensors import TensorSource
-from fitdp.validate import fail
+from fitdp.validate import check_number, fail
 
 
 def make_source(
@@ -120,11 +120,12 @@ def _tensor_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed:
 
 
 def class_weights(class_weight: Mapping[int, float], y: Any) -> torch.Tensor:
-    """Keras's ``class_weight``: each sample's weight is its class's (1-D integer targets).
+    """Keras's ``class_weight``: each sample's weight is its class's (1-D integer targets);
+    a class without an entry weighs 1, as in Keras.
 
     Raises:
-        TypeError, ValueError: not a dict of int -> number, targets that are not class
-            indices, or a class present in ``y`` without a weight.
+        TypeError, ValueError: not a dict of int -> number, or targets that are not class
+            indices.
     """
     if not isinstance(class_weight, Mapping) or not class_weight:
         fail("class_weight", class_weight, "a non-empty dict {class index: weight}",
@@ -133,18 +134,15 @@ def class_weights(class_weight: Mapping[int, float], y: Any) -> torch.Tensor:
         fail("class_weight", "targets that are not a 1-D tensor of class indices",
              "1-D integer targets (one class per sample)", "use sample_weight instead",
              described=True)
-    top = int(y.max()) + 1 if y.numel() else 0
-    table = torch.full((max(top, max(class_weight) + 1),), float("nan"))
     for k, v in class_weight.items():
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
             fail("class_weight", k, "class indices (ints >= 0) as keys", error=TypeError)
+        check_number(f"class_weight[{k}]", v, low=0)
+    top = int(y.max()) + 1 if y.numel() else 0
+    table = torch.ones(max(top, max(class_weight) + 1))
+    for k, v in class_weight.items():
         table[int(k)] = float(v)
-    weights = table[y.clamp(min=0)]
-    if bool(torch.isnan(weights).any()):
-        missing = sorted({int(c) for c in y[torch.isnan(weights)].tolist()})
-        fail("class_weight", f"no weight for classes {missing[:10]}",
-             "a weight for every class present in y", described=True)
-    return weights
+    return table[y.clamp(min=0)]
 
 
 def _weights(w: Any, name: str) -> torch.Tensor:
