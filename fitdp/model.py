@@ -16,7 +16,7 @@ from fitdp.devices import DevicesArg
 from fitdp.distributed import DEFAULT_TIMEOUT, report_failure
 from fitdp.executor.interrupts import GUARD
 from fitdp.metrics import MetricsArg
-from fitdp.model_extras import ModelExtras
+from fitdp.model_extras import ModelExtras, keras_logs
 from fitdp.model_io import ModelIO
 from fitdp.monitor import Monitor
 from fitdp.optimizers import OptimizerArg
@@ -191,10 +191,7 @@ class Model(ModelIO, ModelExtras):
                          steps=steps, devices=devices, has_labels=True)
         with self._call(plan, trainer) as session:
             logs = session.test_pass(plan.source, plan.callbacks, plan.steps)
-        if return_dict:
-            return logs
-        values = [logs[k] for k in ("loss", *trainer.metrics) if k in logs]
-        return values[0] if len(values) == 1 else values
+        return keras_logs(logs, trainer, return_dict)
 
     def predict(self, x: Any = None, *, batch_size: int = 32, verbose: int | str = 0,
                 steps: int | None = None, callbacks: Sequence[Callback] | None = None,
@@ -229,6 +226,10 @@ class Model(ModelIO, ModelExtras):
                 yield session
         except BaseException as err:
             session.rollback()
+            try:  # checkpoints saved before the failure are on disk when it surfaces
+                self.wait_for_saves()
+            except Exception as save_err:  # noqa: BLE001 - reported on the error raised
+                err.add_note(f"fitdp: a background save failed too: {save_err!r}")
             if plan.info.enabled:
                 report_failure(plan.info, err)
             raise

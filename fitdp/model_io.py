@@ -172,7 +172,7 @@ class ModelIO:
         session = self._session
         if session is not None:
             cbs = session.plan.callbacks
-            resumed = {"path": path, "epoch": self.run.next_epoch + 1,
+            resumed = {"path": path, "epoch": self.run.next_epoch,
                        "step": self.run.global_step}
             cbs.set_params({**getattr(cbs, "_params", {}), "resumed": resumed})
         return state

@@ -60,9 +60,11 @@ def reference() -> fitdp.Model:
 
 # 0: died before the first checkpoint; 3: mid-epoch; 7: last batch of epoch 0, before its
 # scheduler step; 21: the last step.
+@pytest.mark.parametrize("async_save", [False, True])
 @pytest.mark.parametrize("crash_at", [0, 3, 7, 21])
-def test_resume_bitwise_after_interruption(tmp_path, reference, crash_at):
-    ckpt = ModelCheckpoint(str(tmp_path / "c-{step:03d}.ckpt"), save_freq=1, monitor="loss")
+def test_resume_bitwise_after_interruption(tmp_path, reference, crash_at, async_save):
+    ckpt = ModelCheckpoint(str(tmp_path / "c-{step:03d}.ckpt"), save_freq=1, monitor="loss",
+                           async_save=async_save)
     model = make()
     with pytest.raises(KeyboardInterrupt):
         run(model, [ckpt, Crash(crash_at)] if crash_at else [ckpt, Crash(1)])
@@ -146,16 +148,18 @@ TRAINER = textwrap.dedent("""
     from test_resume import make, run
     from fitdp.callbacks import BackupAndRestore
     model = make()
-    run(model, [BackupAndRestore({backup!r}, save_freq=1)])
+    run(model, [BackupAndRestore({backup!r}, save_freq=1, async_save={async_save!r})])
     torch.save(model.module.state_dict(), {out!r})
 """)
 
 
-def test_sigkill_at_random_moments_then_resume(tmp_path, reference):
-    """A real crash: SIGKILL the training process mid-run, restart, compare final weights."""
+@pytest.mark.parametrize("async_save", [False, True])
+def test_sigkill_at_random_moments_then_resume(tmp_path, reference, async_save):
+    """A real crash: SIGKILL the training process mid-run, restart, compare final weights
+    (with backups written in the background too)."""
     out = tmp_path / "final.pt"
     script = tmp_path / "train.py"
-    script.write_text(TRAINER.format(tests=os.path.dirname(__file__),
+    script.write_text(TRAINER.format(tests=os.path.dirname(__file__), async_save=async_save,
                                      backup=str(tmp_path / "b"), out=str(out)))
     g = torch.Generator().manual_seed(1)
     for _ in range(3):  # kill three times at random moments, then let it finish

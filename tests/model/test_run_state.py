@@ -210,3 +210,41 @@ def test_every_call_clears_only_its_own_stop_flag():
     seen.clear()
     model.evaluate(X, Y, callbacks=[probe], verbose=0)
     assert len(seen) == 10
+
+
+def test_fit_resumes_a_bucket_iterator_mid_epoch_exactly(tmp_path):
+    """A resumed epoch continues the iterator where the checkpoint left it (set_epoch is not
+    called for the restored epoch), and the weights end bitwise as an uninterrupted run's."""
+    seqs = [torch.randint(1, 9, (n,)) for n in [3, 5, 7] * 8]
+    labels = torch.tensor([0, 1, 2] * 8)
+
+    def model() -> fitdp.Model:
+        torch.manual_seed(0)
+        m = fitdp.Model(_BagOfWords())
+        m.compile(optimizer="adam", lr=0.05)
+        return m
+
+    def it() -> fitdp.BucketIterator:
+        return fitdp.BucketIterator(seqs, labels, batch_size=4, buckets=[3, 5, 7], seed=4)
+
+    ref = model()
+    ref.fit(it(), epochs=2, verbose=0)
+    path = str(tmp_path / "c.ckpt")
+    first = model()
+    with pytest.raises(RuntimeError, match="boom"):
+        first.fit(it(), epochs=2, verbose=0, callbacks=[
+            fitdp.callbacks.ModelCheckpoint(path, monitor="loss", save_freq=1), FailAt(3)])
+    resumed = model()
+    resumed.fit(it(), epochs=2, verbose=0, resume=path)
+    assert resumed.global_step == ref.global_step == 12
+    for a, b in zip(resumed.module.parameters(), ref.module.parameters()):
+        assert torch.equal(a, b)
+
+
+class _BagOfWords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(10, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x).mean(1))
