@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_helpers import CUDA, DEVICE_LISTS, data, hand_loop, mlp
+from cuda_helpers import CUDA, DEVICE_LISTS, PoolNet, _bce, _sequences, data, hand_loop, mlp
 from torch import nn
 from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.regression import MeanSquaredError
 
 import fitdp
 from fitdp.callbacks import Callback
@@ -72,6 +73,28 @@ def test_evaluate_reads_losses_and_metrics_after_the_replicas_streams(
     model.compile(optimizer="sgd", loss="cross_entropy", metrics={"acc": accuracy()})
     logs = model.evaluate(x, y, batch_size=16, devices=devices, verbose=0)
     assert logs == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("devices", DEVICES, ids=IDS)
+def test_bucketed_evaluate_orders_the_buckets_streams(devices: list[str]) -> None:
+    """Every bucket's executor on a device shares that device's input buffers: the next
+    bucket's batch must not be written into them while the previous one is still read."""
+    seqs, y = _sequences()
+    torch.manual_seed(0)
+    net = PoolNet()
+    total, reference = 0.0, MeanSquaredError()
+    with torch.no_grad():
+        for batch in fitdp.BucketIterator(seqs, y, batch_size=16, buckets=[8, 20],
+                                          shuffle=False):
+            out = net(batch.data)
+            total += float(_bce(out, batch.label)) * len(out)
+            reference.update(out, batch.label.float())
+    model = fitdp.Model(SlowForward(net), bucket_module=lambda key: SlowForward(PoolNet()))
+    model.compile(optimizer="sgd", loss=_bce, metrics={"mse": MeanSquaredError()})
+    it = fitdp.BucketIterator(seqs, y, batch_size=16, buckets=[8, 20], seed=0)
+    logs = model.evaluate(it, devices=devices, verbose=0)
+    expected = {"loss": total / len(seqs), "mse": float(reference.compute())}
+    assert logs == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.parametrize("devices", DEVICES, ids=IDS)
