@@ -13,9 +13,9 @@ the rows it had written):
   syncs      host syncs per step between log points (sync debug mode "warn"); target 0
   replicas   ``devices=["cuda:0", "cuda:0"]``: weights allclose to one device; time per step
   precision  ``bf16-mixed`` and ``16-mixed`` against ``32``: time per step; the loss falls
-  compile    ``compile=True`` with a ``BucketIterator``: CUDA graphs per bucket
-             (``mode="reduce-overhead"``, else plain compile), recompiles after the first
-             epoch (target 0), time per step against eager
+  compile    ``compile=True`` with a ``BucketIterator``: plain compile, then CUDA graphs per
+             bucket (``mode="reduce-overhead"``) if time is left; recompiles after the
+             first epoch (target 0), time per step against eager
 
 It prints one table and writes a JSON file with every number, the GPU's name, driver, and
 the torch and CUDA versions. The exit code is 1 when a part or a tier test failed (a MISSED

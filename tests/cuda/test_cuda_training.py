@@ -51,6 +51,22 @@ def test_module_on_the_gpu_is_trained_in_place() -> None:
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+def test_class_weight_with_targets_on_the_gpu() -> None:
+    """Keras's class_weight weighs each sample's loss by its class's weight: targets already
+    on the GPU give the update that the same targets on the host give."""
+    x, y = data(100)
+    class_weight = {c: 1.0 + c for c in range(5)}
+    weights = []
+    for on in ("cpu", CUDA):
+        model = fitdp.Model(mlp())
+        model.compile(optimizer="sgd", lr=0.1, loss="cross_entropy")
+        model.fit(x.to(on), y.to(on), batch_size=10, class_weight=class_weight,
+                  devices=[CUDA], shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("devices", DEVICES, ids=IDS)
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_trains_on_cuda(devices: list[str], precision: str) -> None:
