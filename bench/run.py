@@ -2,6 +2,7 @@
 
 Run: python bench/run.py [--quick] [--out docs] [--only overhead,bucketing]
  or: python -m bench [same options]
+ or: python -m bench --gpu [bench/gpu.py's options]   (the GPU checks: bench/gpu.py)
 
 Each benchmark runs as its own process with ``--json`` (and ``--quick`` under ``--quick``), one
 after the other, so they never share the CPU with each other; their output streams through.
@@ -225,12 +226,18 @@ def build(name: str, outcomes: dict[str, Outcome], img: Path, note: str,
 
 
 def main() -> int:
+    if "--gpu" in sys.argv[1:]:  # the GPU checks; the options after it are bench/gpu.py's
+        import gpu  # noqa: PLC0415
+
+        return gpu.main([a for a in sys.argv[1:] if a != "--gpu"])
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="smoke runs of every benchmark (about a minute and a half)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs",
                         help="folder for benchmarks.md and img/ (default: docs/)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="run bench/gpu.py instead (the GPU checks; see its --help)")
     parser.add_argument("--only", default=None,
                         help="comma-separated benchmarks to run: "
                              + ",".join(b.name for b in BENCHES))
