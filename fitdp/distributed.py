@@ -111,11 +111,15 @@ def _leave() -> None:
     gc.collect()  # free the group's C++ objects while the interpreter is still whole
 
 
-def broadcast_module(module: nn.Module) -> None:
-    """Copy rank 0's parameters and buffers into every rank (the initial weights)."""
+def broadcast_module(module: nn.Module, device: torch.device) -> None:
+    """Copy rank 0's parameters and buffers into every rank (the initial weights), through
+    ``device`` (NCCL moves CUDA tensors only: host tensors go through the first device)."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, 0)
+            staged = t.detach().to(device)
+            dist.broadcast(staged, 0)
+            if staged is not t:
+                t.copy_(staged)
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:

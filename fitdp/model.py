@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ from fitdp.replicas import Placement, Replicas
 from fitdp.run_state import RunState
 from fitdp.session import Session
 from fitdp.trainer import CompileConfig, Trainer
-from fitdp.validate import fail
+from fitdp.validate import FitdpWarning, fail
 
 
 class Model(ModelIO, ModelExtras):
@@ -102,14 +103,16 @@ class Model(ModelIO, ModelExtras):
         precision: str = "32",
         grad_clip_norm: float | None = None,
         grad_accum_steps: int = 1,
-        compile: bool = False,
+        compile: bool | str = False,
         sync_batchnorm: bool = False,
         loss_weights: Sequence[float] | dict[str, float] | None = None,
     ) -> None:
         """Choose the optimizer, loss and metrics (see API.md); resets the optimizer state.
 
         ``loss`` may be a list or dict of losses for a module with several outputs, summed
-        with ``loss_weights``. ``sync_batchnorm``: under torch.distributed on CUDA, BatchNorm
+        with ``loss_weights``. ``compile``: True or a ``torch.compile`` mode such as
+        ``"reduce-overhead"`` (CUDA graphs). ``sync_batchnorm``: under torch.distributed on
+        CUDA, BatchNorm
         layers become ``torch.nn.SyncBatchNorm``. Every argument is checked and every piece
         built before anything changes.
         """
@@ -228,8 +231,9 @@ class Model(ModelIO, ModelExtras):
             session.rollback()
             try:  # checkpoints saved before the failure are on disk when it surfaces
                 self.wait_for_saves()
-            except Exception as save_err:  # noqa: BLE001 - reported on the error raised
-                err.add_note(f"fitdp: a background save failed too: {save_err!r}")
+            except Exception as save_err:  # noqa: BLE001 - the call's own error wins
+                warnings.warn(f"a background checkpoint save failed too: {save_err!r}",
+                              FitdpWarning, stacklevel=3)
             if plan.info.enabled:
                 report_failure(plan.info, err)
             raise

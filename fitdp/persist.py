@@ -133,8 +133,21 @@ def warn_skipped(skipped: Skipped, origin: str) -> None:
 
 
 def snapshot(objects: Mapping[str, Stateful]) -> dict[str, Any]:
-    """The checkpoint dict: every object's state, and the fitdp version that wrote it."""
-    return {"fitdp_version": __version__, **{k: o.state_dict() for k, o in objects.items()}}
+    """The checkpoint dict: every object's state (tensors on the CPU, so that a plain
+    ``torch.load(weights_only=True)`` reads it on a machine without a GPU), and the fitdp
+    version that wrote it. On the CPU nothing is copied."""
+    state = {k: o.state_dict() for k, o in objects.items()}
+    return {"fitdp_version": __version__, **_on_cpu(state)}
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" else value
+    if isinstance(value, dict):
+        return type(value)((k, _on_cpu(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
 
 
 def restore(objects: Mapping[str, Stateful], state: Mapping[str, Any], origin: str,

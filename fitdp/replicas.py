@@ -72,8 +72,8 @@ class Replicas:
             module, devices, work_load_list=list(placement.work_load_list),
             bucket_module=bucket_module, default_bucket_key=placement.default_bucket_key,
             loss=trainer.objective if trainer is not None else None,
-            compile=bool(trainer and trainer.config.compile), autocast_dtype=autocast,
-            distributed=placement.distributed,
+            compile=trainer.config.compile if trainer is not None else False,
+            autocast_dtype=autocast, distributed=placement.distributed,
         )
         if autocast is torch.float16 and trainer is not None and trainer.scaler is None:
             trainer.scaler = torch.amp.GradScaler("cuda")
@@ -101,7 +101,7 @@ class Replicas:
     def load_host(self, module: nn.Module) -> None:
         """Copy the host module's weights into every replica (rank 0's under torchrun)."""
         if self.placement.distributed:
-            distributed.broadcast_module(module)
+            distributed.broadcast_module(module, self.placement.devices[0])
         self.manager.set_params(dict(module.named_parameters()), dict(module.named_buffers()))
 
     def store_host(self, module: nn.Module) -> None:

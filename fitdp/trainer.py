@@ -22,6 +22,10 @@ PRECISIONS: dict[str, torch.dtype | None] = {
 }
 
 
+# compile=True, or one of torch.compile's modes ("reduce-overhead": CUDA graphs per shape).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileConfig:
     """Everything ``Model.compile`` was given."""
@@ -34,7 +38,7 @@ class CompileConfig:
     precision: str = "32"
     grad_clip_norm: float | None = None
     grad_accum_steps: int = 1
-    compile: bool = False
+    compile: bool | str = False
     sync_batchnorm: bool = False
     loss_weights: Sequence[float] | Mapping[str, float] | None = None
 
@@ -84,9 +88,10 @@ class Trainer:
         check_int("grad_accum_steps", config.grad_accum_steps, 1)
         lr = None if config.lr is None else check_number(
             "lr", config.lr, low=0, fix="pass a learning rate >= 0 (0 freezes the weights)")
-        for flag in ("compile", "sync_batchnorm"):
-            if not isinstance(getattr(config, flag), bool):
-                check_choice(flag, getattr(config, flag), (True, False))
+        if not isinstance(config.compile, bool):
+            check_choice("compile", config.compile, COMPILE_MODES)
+        if not isinstance(config.sync_batchnorm, bool):
+            check_choice("sync_batchnorm", config.sync_batchnorm, (True, False))
         objective = Objective(config.loss, config.loss_weights)
         metrics = named_metrics(config.metrics)
         optimizer = build_optimizer(config.optimizer, module, lr)

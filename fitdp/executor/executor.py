@@ -33,12 +33,13 @@ def _run_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module(*args, **kwargs)
 
 
-def compile_replica(module: nn.Module, name: str) -> Callable[..., Any]:
-    """``torch.compile`` ``module`` through a code object of its own, with static shapes (one
+def compile_replica(module: nn.Module, name: str, mode: str | None = None) -> Callable[..., Any]:
+    """``torch.compile`` ``module`` (with ``mode``, e.g. ``"reduce-overhead"`` for CUDA
+    graphs) through a code object of its own, with static shapes (one
     graph per bucket shape: bucket shapes are few and known)."""
     template = _run_module.__code__
     fn = types.FunctionType(template.replace(co_name=name), _run_module.__globals__, name)
-    return functools.partial(torch.compile(fn, dynamic=False), module)
+    return functools.partial(torch.compile(fn, dynamic=False, mode=mode), module)
 
 
 def call_module(fn: Callable[..., Any], inputs: Any) -> Any:
@@ -62,7 +63,7 @@ class Executor:
         device: where it runs.
         shared_buffers: name -> (flat buffer, shape it was allocated for); one dict per
             device, shared by every bucket's executor on that device.
-        compile: wrap the replica with ``torch.compile``.
+        compile: wrap the replica with ``torch.compile`` (a string: its ``mode``).
         warn_on_grow: record in ``grown`` each input that outgrows its shared buffer, for the
             group to log the seed's warning (bucketing: the default bucket should be the
             largest).
@@ -80,7 +81,7 @@ class Executor:
         device: torch.device,
         shared_buffers: dict[str, tuple[torch.Tensor, tuple[int, ...]]],
         *,
-        compile: bool = False,
+        compile: bool | str = False,
         warn_on_grow: bool = False,
         inputs_need_grad: bool = False,
     ) -> None:
@@ -89,14 +90,15 @@ class Executor:
         self.device = device
         self.shared_buffers = shared_buffers
         self.fn: Callable[..., Any] = (
-            compile_replica(module, f"fitdp_executor_{device.type}") if compile else module
+            compile_replica(module, f"fitdp_executor_{device.type}",
+                            compile if isinstance(compile, str) else None)
+            if compile else module
         )
-        self.compiled = compile
+        self.compiled = bool(compile)
         self.inputs_need_grad = inputs_need_grad
         self.grad_inputs: Any = None  # the inputs autograd tracked (inputs_need_grad)
         self.signatures: set[Hashable] = set()  # input signatures compiled so far
         self.grown: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.inputs: Any = None
         self.labels: Any = None
         self.weights: torch.Tensor | None = None
@@ -108,10 +110,6 @@ class Executor:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.loss_count = torch.zeros((), dtype=torch.float64, device=device)
         self.pending_losses: list[tuple[torch.Tensor, int | torch.Tensor]] = []
-
-    def stream_context(self) -> contextlib.AbstractContextManager[Any]:
-        """Run on this executor's CUDA stream (a no-op on the CPU)."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else _NULL
 
     def _buffer(self, name: str, src: torch.Tensor) -> torch.Tensor:
         """A view of the shared input buffer shaped like ``src``, re-allocated when too small."""
@@ -134,10 +132,9 @@ class Executor:
              axis: int = 0) -> None:
         """Copy this device's slice of the batch (and its per-sample loss weights, if any)
         into the input buffers (non-blocking); ``axis`` is the batch axis."""
-        with self.stream_context():
-            self.inputs = self._stage(data, "data")
-            self.labels = None if label is None else self._stage(label, "label")
-            self.weights = None if weight is None else self._stage(weight, "weight")
+        self.inputs = self._stage(data, "data")
+        self.labels = None if label is None else self._stage(label, "label")
+        self.weights = None if weight is None else self._stage(weight, "weight")
         self.axis = axis
         self.rows = batch_length(self.inputs, axis) if tree_leaves(self.inputs) else 0
         self.valid = valid
@@ -176,7 +173,7 @@ class Executor:
         self.outputs, self.loss = None, None
         if self.rows == 0:  # a short final batch left this device idle
             return None
-        with self.stream_context(), torch.set_grad_enabled(is_train), autocast:
+        with torch.set_grad_enabled(is_train), autocast:
             outputs = self._call(is_train, autocast_dtype)
             self.outputs = outputs
             if loss_fn is not None and self.labels is not None and self.valid > 0:
@@ -230,8 +227,7 @@ class Executor:
         """Backpropagate this replica's weighted loss (gradients accumulate into its buffers)."""
         if self.loss is None:
             return
-        with self.stream_context():
-            (self.loss if scale is None else scale(self.loss)).backward()
+        (self.loss if scale is None else scale(self.loss)).backward()
         self.loss = None
         # Metrics and predict read the outputs without autograd. Kept attached, they would
         # hold this step's graph until this bucket runs again: with 20 buckets, 19 idle graphs

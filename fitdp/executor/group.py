@@ -47,7 +47,7 @@ class DataParallelExecutorGroup:
         workers: DeviceWorkers,
         *,
         bucket_key: Hashable | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
         logger: logging.Logger | None = None,
         inputs_need_grad: bool = False,
     ) -> None:
@@ -141,11 +141,12 @@ class DataParallelExecutorGroup:
             ex.forward(is_train, loss_fn, weights[d], autocast_dtype, counts[d])
 
         if is_train and self._draws_in_turn():
-            before = torch.get_rng_state() if self.stochastic is None else None
+            before = self._rng_states() if self.stochastic is None else None
             for d, ex in enumerate(self.executors):
                 task(ex, d)
             if before is not None:  # the probe: did that forward draw random numbers?
-                self.stochastic = not torch.equal(before, torch.get_rng_state())
+                after = self._rng_states()
+                self.stochastic = any(not torch.equal(a, b) for a, b in zip(before, after))
         else:
             self.workers.run([functools.partial(task, ex, d)
                               for d, ex in enumerate(self.executors)])
@@ -174,18 +175,25 @@ class DataParallelExecutorGroup:
             total = global_count(total)
         return counts, total.clamp(min=1)
 
+    def _rng_states(self) -> list[torch.Tensor]:
+        """The states of the generators the replicas draw from (one per distinct device)."""
+        return [torch.get_rng_state() if d.type == "cpu" else torch.cuda.get_rng_state(d)
+                for d in dict.fromkeys(ex.device for ex in self.executors)]
+
     def _draws_in_turn(self) -> bool:
         """Whether training forwards must run one after another, in device order.
 
-        CPU replicas share torch's one CPU generator: run at once, their dropout masks depend
-        on which thread draws first, and a seeded run is not reproducible. So a module that
-        draws random numbers runs its CPU replicas' forwards in device order (backward stays
-        concurrent); one that never draws keeps them concurrent. Decided once per group: by
-        its layers, or else by whether its first training forward (run in turn) moved the
-        generator (``stochastic`` stays None until then).
+        Replicas on one device share its generator (every CPU replica shares torch's CPU
+        generator): run at once, their dropout masks depend on which thread draws first, and a
+        seeded run is not reproducible. So a module that draws random numbers runs such
+        replicas' forwards in device order (backward stays concurrent); one that never draws
+        keeps them concurrent. Decided once per group: by its layers, or else by whether its
+        first training forward (run in turn) moved the generators (``stochastic`` stays None
+        until then).
         """
         if self.stochastic is None:
-            if sum(ex.device.type == "cpu" for ex in self.executors) < 2:
+            devices = [ex.device for ex in self.executors]
+            if len(set(devices)) == len(devices):  # one generator each: no race
                 self.stochastic = False
             elif any(isinstance(m, _RANDOM_LAYERS) and getattr(m, "p", 1) > 0
                      for m in self.executors[0].module.modules()):
@@ -195,18 +203,14 @@ class DataParallelExecutorGroup:
     def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Backward on every replica, at once."""
         self._run(lambda ex: ex.backward(scale))
-        for ex in self.executors:
-            if ex.stream is not None:
-                ex.stream.synchronize()
 
     def update_metric(self, metric: Any, labels: Any = None) -> None:
         """Update each device's clone of ``metric`` with that device's outputs and labels."""
 
         def update(ex: Executor, d: int) -> None:
             lab = ex.labels if labels is None else take_rows(labels, self.slices[d], ex.axis)
-            with ex.stream_context():
-                if ex.valid > 0:
-                    metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(lab))
+            if ex.valid > 0:
+                metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(lab))
 
         self.workers.run([functools.partial(update, ex, d) for d, ex in enumerate(self.executors)])
 

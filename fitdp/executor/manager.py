@@ -69,7 +69,7 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         default_bucket_key: Hashable | None = None,
         logger: logging.Logger | None = None,
         loss: LossFn | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
         autocast_dtype: torch.dtype | None = None,
         distributed: bool = False,
         inputs_need_grad: bool = False,

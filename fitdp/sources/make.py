@@ -142,7 +142,7 @@ def class_weights(class_weight: Mapping[int, float], y: Any) -> torch.Tensor:
     table = torch.ones(max(top, max(class_weight) + 1))
     for k, v in class_weight.items():
         table[int(k)] = float(v)
-    return table[y.clamp(min=0)]
+    return table.to(y.device)[y.clamp(min=0)]
 
 
 def _weights(w: Any, name: str) -> torch.Tensor:
