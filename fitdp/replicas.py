@@ -77,6 +77,9 @@ class Replicas:
         )
         if autocast is torch.float16 and trainer is not None and trainer.scaler is None:
             trainer.scaler = torch.amp.GradScaler("cuda")
+            # The scaler makes its scale tensor on first use: here, in one thread, not in
+            # the device threads that scale their losses at once.
+            trainer.scaler.scale(torch.zeros((), device=devices[0]))
 
     def fits(self, module: nn.Module, placement: Placement, trainer: Trainer | None) -> bool:
         """Whether this call can run on these replicas as they are (same placement and
