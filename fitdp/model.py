@@ -218,6 +218,7 @@ class Model(ModelIO, ModelExtras):
             raise RuntimeError("fit/evaluate/predict: called from inside another call (a "
                                "callback); run it after the current call returns")
         training = self.module.training
+        positions = [(s, s.state_dict()) for s in plan.borrowed]
         replicas = self._attach(plan.placement, trainer)
         for source in (plan.source, getattr(plan, "val", None)):
             if source is not None:
@@ -240,6 +241,8 @@ class Model(ModelIO, ModelExtras):
         finally:
             self._session = None
             session.close()
+            for source, position in positions:  # read from the start, given back unmoved
+                source.load_state_dict(position)
             replicas.store_host(self.module)
             if self.module.training is not training:
                 self.module.train(training)

@@ -126,7 +126,7 @@ def optimizer_kind_problem(optimizer: torch.optim.Optimizer, state: Mapping[str,
     saved_kind = state.get("fitdp_class")
     kind = type(optimizer).__name__
     if saved_kind is not None and saved_kind != kind:
-        return f"it is the state of a {saved_kind} optimizer, but this model's is {kind}"
+        return f"it holds {saved_kind} state, but this model's optimizer is {kind}"
     if len(groups) != len(optimizer.param_groups):
         return (f"it has {len(groups)} parameter groups, but this model's {kind} has "
                 f"{len(optimizer.param_groups)}")

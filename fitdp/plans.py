@@ -35,6 +35,7 @@ class CallPlan:
     info: distributed.DistInfo
     steps: int | None = None
     user_source: bool = False  # the source is the user's object: give it back unmoved
+    borrowed: tuple[DataSource, ...] = ()  # user sources a call only reads: put back after
 
 
 @dataclasses.dataclass
@@ -108,6 +109,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
     return FitPlan(
         source=train, callbacks=cbs, placement=_bucketed(placement, train), info=info,
         steps=steps, user_source=is_source(x), epochs=epochs, initial_epoch=initial_epoch,
+        borrowed=(val,) if val is not None and is_source(validation_data) else (),
         val=val, val_steps=val_steps, val_freq=val_freq, seed=seed, monitor=monitor,
         resume=resume_path(resume, cbs.callbacks), log_every=log_every,
     )
@@ -126,7 +128,8 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
     cbs = _callbacks(model, callbacks, verbose, steps=steps or source.num_batches,
                      batch_size=batch_size)
     return CallPlan(source=source, callbacks=cbs, placement=_bucketed(placement, source),
-                    info=info, steps=steps, user_source=is_source(x))
+                    info=info, steps=steps, user_source=is_source(x),
+                    borrowed=(source,) if is_source(x) else ())
 
 
 def _place(model: Any, devices: DevicesArg, work_load_list: Any, timeout: float,

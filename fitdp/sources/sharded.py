@@ -35,8 +35,8 @@ class ShardedSource:
         if batches is None:
             fail("x", type(source).__name__, "data whose number of batches is known under "
                  "torch.distributed (each rank must run as many steps as the others)",
-                 "pass a DataLoader, a Dataset, tensors or a BucketIterator, or shard the data "
-                 "yourself", error=ValueError, described=True)
+                 "pass a DataLoader, a Dataset, tensors or a BucketIterator (a generator "
+                 "has no length)", error=ValueError, described=True)
         self.steps = -(-batches // world_size)
 
     @property

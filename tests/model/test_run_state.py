@@ -111,10 +111,12 @@ def test_bucket_iterator_position_does_not_leak_between_calls():
         on_train_batch_end=lambda b, logs: seen.append(b))])
     assert seen == list(range(9))
     model.fit(it, steps_per_epoch=2, verbose=0)
-    assert model.predict(it).shape == (30, 3)
     state = it.state_dict()
+    assert state["position"] == 2
+    assert model.predict(it).shape == (30, 3)
+    assert it.state_dict() == state  # predict and evaluate give the iterator back unmoved
     model.evaluate(it, verbose=0)
-    assert it.state_dict() == state  # evaluate and predict give the iterator back unmoved
+    assert it.state_dict() == state
 
 
 def test_a_failed_fit_gives_the_users_iterator_back_at_its_last_step():
