@@ -39,16 +39,17 @@ def test_distributed_bench_quick_runs() -> None:
     assert "target (a) >= 0.95x (b):" in proc.stdout
 
 
-@pytest.mark.distributed  # run.py --quick includes distributed.py's 2-rank gloo launches
 def test_run_all_quick_writes_page_and_charts(tmp_path: Path) -> None:
+    # distributed.py has its own smoke test above: leave its torchrun launches out here.
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path)],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path),
+         "--only", "overhead,checkpoint,bucketing"],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=420,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "ratio" in proc.stdout and "load average" in proc.stdout
     page = (tmp_path / "benchmarks.md").read_text()
-    assert "python bench/run.py --quick" in page
+    assert "python bench/run.py --quick" in page and "distributed" in page
     assert "```python" not in page  # tests/test_docs.py would run it
     charts = sorted((tmp_path / "img").glob("*.png"))
     assert charts, page
