@@ -48,7 +48,7 @@ class Session:
                  plan: CallPlan) -> None:
         self.trainer, self.replicas, self.run, self.plan = trainer, replicas, run, plan
         self.mgr = replicas.manager
-        self.metrics = replicas.metrics
+        self.metrics = replicas.metrics or None  # (no metrics: None, not an empty one)
         self.logs: dict[str, float] = {}
         self.log_every = plan.log_every if isinstance(plan, FitPlan) else 50
         self.monitor: Monitor | None = plan.monitor if isinstance(plan, FitPlan) else None
@@ -59,7 +59,9 @@ class Session:
         self.exact_logs = cbs.sync_every_batch or (
             cpu and not plan.info.enabled and getattr(cbs, "needs_batch_logs", True))
         self.data_state: dict[str, Any] | None = None  # train source at the last step
-        self.checked = False  # the first batch's checks are done
+        self.checked = False  # the first batch ran (its errors came back with context)
+        self.verified = False  # the checks that need the model's outputs are done
+        self.scale = trainer.loss_scale() if trainer is not None else None
         if self.monitor is not None:
             self.mgr.install_monitor(self.monitor)
 
@@ -125,27 +127,42 @@ class Session:
         with GUARD.critical():
             if self.monitor is not None:
                 self.monitor.tic()
-            if run.micro_step == 0:
-                # Zeroed here, not after the step: gradients stay readable until the next
-                # step begins (monitors, callbacks).
-                self.mgr.zero_grad()
-            self._run(batch, is_train=True)
-            if not self.checked:
+            # Zeroed as the step begins, not after it: gradients stay readable until the
+            # next step begins (monitors, callbacks).
+            first = run.micro_step == 0
+            due = run.micro_step + 1 >= trainer.config.grad_accum_steps
+            if self.verified:  # the step inside the batch's hand-off (see run_batch)
+                self.mgr.run_batch(batch, True, total_rows=batch.global_rows, scale=self.scale,
+                                   metric=self.metrics if batch.label is not None else None,
+                                   zero_grad=first, optimizer=trainer.optimizer if due else None,
+                                   scaler=trainer.scaler, clip_norm=trainer.config.grad_clip_norm)
+            else:  # the first batch: its outputs are checked before the first step
+                self._run(batch, True, zero_grad=first)
                 self._first_batch_checks(batch)
+                if due:
+                    self._step_replicas()
             run.micro_step += 1
-            if run.micro_step >= trainer.config.grad_accum_steps:
-                self._optimizer_step()
+            if due:
+                self._stepped()
             if self.monitor is not None:
                 self.monitor.toc_print()
         return self._batch_logs(index)
 
     def _optimizer_step(self) -> None:
-        trainer, run = self.trainer, self.run
+        self._step_replicas()
+        self._stepped()
+
+    def _step_replicas(self) -> None:
+        trainer = self.trainer
         assert trainer is not None  # noqa: S101
         self.mgr.step(trainer.optimizer, scaler=trainer.scaler,
                       clip_norm=trainer.config.grad_clip_norm)
-        trainer.step_scheduler("step")
-        run.stepped(run.micro_step)
+
+    def _stepped(self) -> None:
+        """What follows an optimizer step: the scheduler, the counters, the data position."""
+        assert self.trainer is not None  # noqa: S101
+        self.trainer.step_scheduler("step")
+        self.run.stepped(self.run.micro_step)
         self.data_state = self.plan.source.state_dict()
 
     def end_epoch(self, logs: dict[str, float]) -> None:
@@ -169,7 +186,7 @@ class Session:
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
             self._run(batch, is_train=False)
-            if not self.checked:
+            if not self.verified:
                 self._first_batch_checks(batch)
             return self._batch_logs(index)
 
@@ -204,25 +221,23 @@ class Session:
 
     # -- shared by every call -------------------------------------------------------------
 
-    def _run(self, batch: DataBatch, is_train: bool) -> None:
-        """Load, forward (and backward when training) one batch; update the metrics. On a
+    def _run(self, batch: DataBatch, is_train: bool, **step: Any) -> None:
+        """Load, forward (and backward when training) one batch and update the metrics, in
+        one hand-off per device; ``step``: ``run_batch``'s zeroing and optimizer step. On a
         call's first batch, the user's errors come back with what the batch held."""
-        mgr, trainer = self.mgr, self.trainer
         if self.checked:
-            mgr.load_data_batch(batch)
-            mgr.forward(is_train, total_rows=batch.global_rows)
-            if is_train:
-                mgr.backward(reduce=False, scale=trainer.loss_scale())  # type: ignore[union-attr]
-            if self.metrics and batch.label is not None:
-                mgr.update_metric(self.metrics)
+            metrics = self.metrics if batch.label is not None else None
+            self.mgr.run_batch(batch, is_train, total_rows=batch.global_rows,
+                               scale=self.scale if is_train else None, metric=metrics, **step)
             return
+        trainer = self.trainer
         if trainer is not None and batch.label is not None:
             trainer.objective.check_targets(batch.label)
             if batch.sample_weight is not None and not trainer.objective.supports_sample_weight:
                 raise ValueError(trainer.objective.no_weights_message())
         try:
             self.checked = True
-            self._run(batch, is_train)
+            self._run(batch, is_train, **step)
         except Exception as err:
             self.checked = False
             if _raised_in_fitdp(err):
@@ -233,6 +248,7 @@ class Session:
         """Checks that need the model's outputs, made once per call before the first
         optimizer step: every target in range (the whole in-memory label tensor), and the
         validation data shaped like the training data."""
+        self.verified = True
         if self.trainer is None or batch.label is None:
             return
         outputs = self.mgr.outputs()
