@@ -64,6 +64,12 @@ class Session:
         self.scale = trainer.loss_scale() if trainer is not None else None
         if self.monitor is not None:
             self.mgr.install_monitor(self.monitor)
+        # Measured loads for this call, or the placement's (replicas kept from an "auto"
+        # call measure no more); the model reports the list in use, updated in place.
+        self.mgr.set_work_load_list(
+            "auto" if plan.auto_loads else list(replicas.placement.work_load_list))
+        if plan.model is not None:
+            plan.model.work_load_list = self.mgr.work_load_list
 
     # -- fit ----------------------------------------------------------------------------
 

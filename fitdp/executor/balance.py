@@ -96,9 +96,10 @@ class SlowReplicaCheck:
     than one thread running every device's share one after another (what one replica
     would do)? Small models do: their threads queue for Python's GIL.
 
-    Skips ``warmup`` batches, then runs ``probes`` batches one share after another
-    (``serial_next``), then ``probes`` at once, and compares the medians; after that it is
-    done and costs nothing.
+    Skips ``warmup`` batches (a run's first batches are slower), runs ``probes`` batches
+    one share after another (``serial_next``), then ``probes`` at once, and compares the
+    medians; after that it is done and costs nothing. (Not alternated: after a batch at once,
+    the other threads' OpenMP workers spin for a while and would slow the next serial one.)
 
     Example:
         >>> check = SlowReplicaCheck(warmup=0, probes=1)
@@ -108,7 +109,7 @@ class SlowReplicaCheck:
         (False, (0.002, 0.001))
     """
 
-    def __init__(self, *, warmup: int = 2, probes: int = 3, margin: float = 1.1) -> None:
+    def __init__(self, *, warmup: int = 5, probes: int = 3, margin: float = 1.1) -> None:
         self.warmup, self.probes, self.margin = warmup, probes, margin
         self.batches = 0
         self.serial: list[float] = []
@@ -136,9 +137,9 @@ class SlowReplicaCheck:
 
 def slow_replicas_message(devices: int, together: float, alone: float) -> str:
     """The warning ``SlowReplicaCheck`` leads to: both numbers and the fix."""
-    return (f"devices: the {devices} CPU replicas took {together * 1e3:.3f} ms per batch "
-            f"running at once, but {alone * 1e3:.3f} ms one after another on one thread "
-            f"(measured over the first training batches): here one replica would be "
-            f"{together / alone:.1f}x faster (a small model spends its time in Python, and "
+    return (f"devices: the {devices} CPU replicas' forward and backward took "
+            f"{together * 1e3:.3f} ms per batch running at once, but {alone * 1e3:.3f} ms one "
+            f"after another on one thread (measured over the first training batches): one "
+            f"replica would train faster here (a small model spends its time in Python, and "
             f"threads queue for Python's GIL). Fix: train on fewer devices, e.g. "
             f"devices=['cpu'].")

@@ -134,10 +134,15 @@ class Executor:
              axis: int = 0) -> None:
         """Copy this device's slice of the batch (and its per-sample loss weights, if any)
         into the input buffers (non-blocking); ``axis`` is the batch axis."""
-        with self.stream_context():  # (a no-op context on the CPU)
+        if self.stream is None:
             self.inputs = self._stage(data, "data")
             self.labels = None if label is None else self._stage(label, "label")
             self.weights = None if weight is None else self._stage(weight, "weight")
+        else:
+            with torch.cuda.stream(self.stream):
+                self.inputs = self._stage(data, "data")
+                self.labels = None if label is None else self._stage(label, "label")
+                self.weights = None if weight is None else self._stage(weight, "weight")
         self.axis = axis
         inputs = self.inputs
         if isinstance(inputs, torch.Tensor):  # the common case, without walking a tree

@@ -213,7 +213,7 @@ class DataParallelExecutorGroup:
                     for d in range(n):
                         weights[d] = per[d] / total.to(per[d].device, non_blocking=True)
                         counts[d] = per[d]
-        job.in_turn = is_train and self._draws_in_turn()
+        job.in_turn = is_train and self.stochastic is not False and self._draws_in_turn()
         probe = job.in_turn and self.stochastic is None
         before = torch.get_rng_state() if probe else None
         if job.in_turn:

@@ -77,15 +77,6 @@ class InterruptGuard:
         with self.installed(), self._section:
             yield
 
-    def _enter(self) -> None:
-        self._depth += 1
-
-    def _exit(self) -> None:
-        self._depth -= 1
-        if self._pending and self._depth == 0:
-            self._pending = False
-            raise KeyboardInterrupt
-
 
 class _Section:
     """``InterruptGuard.critical()``'s context object (re-entrant: the guard counts depth)."""
@@ -96,10 +87,14 @@ class _Section:
         self._guard = guard
 
     def __enter__(self) -> None:
-        self._guard._enter()
+        self._guard._depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        self._guard._exit()
+        guard = self._guard
+        guard._depth -= 1
+        if guard._pending and guard._depth == 0:
+            guard._pending = False
+            raise KeyboardInterrupt
 
 
 GUARD = InterruptGuard()  # one per process: there is one SIGINT handler slot

@@ -124,13 +124,19 @@ class BatchRunMixin:
             update.prepare(zero_grad, optimizer if fused else None)
         check, balancer = self._speed_check, self.balancer
         serial = is_train and check is not None and check.serial_next()
-        with GUARD.critical():
+        timed = balancer is not None or (check is not None and is_train)
+        count = all_reduce if self.distributed else None
+        if optimizer is None:  # changes no weight: nothing to guard
             group.run(data_batch, rows, axis, slices, is_train, self.loss, total,
-                      self.autocast_dtype, scale=scale, metric=metric, update=update, serial=serial,
-                      global_count=all_reduce if self.distributed else None,
-                      timed=balancer is not None or (check is not None and is_train))
-            if optimizer is not None and not fused:
-                self.step(optimizer, scaler=scaler, clip_norm=clip_norm)
+                      self.autocast_dtype, scale=scale, metric=metric, update=update,
+                      serial=serial, global_count=count, timed=timed)
+        else:
+            with GUARD.critical():  # a Ctrl-C during the step is raised after it
+                group.run(data_batch, rows, axis, slices, is_train, self.loss, total,
+                          self.autocast_dtype, scale=scale, metric=metric, update=update,
+                          serial=serial, global_count=count, timed=timed)
+                if not fused:
+                    self.step(optimizer, scaler=scaler, clip_norm=clip_norm)
         if check is not None and is_train:
             self._check_speed(check, group.section_seconds(serial), serial)
         if balancer is not None and not serial:
@@ -170,8 +176,10 @@ class BatchRunMixin:
         if check.done:
             self._speed_check = None  # decided: nothing more to measure
         if verdict is not None:
+            # At the user's fit: _check_speed, run_batch, train_step, run_batches,
+            # train_epoch, fit.
             warnings.warn(slow_replicas_message(len(self.devices), *verdict), FitdpWarning,
-                          stacklevel=4)
+                          stacklevel=7)
 
     def _fused_update(self, optimizer: torch.optim.Optimizer | None) -> FusedUpdate:
         """The update for this batch: split over the threads when that pays (see
