@@ -56,12 +56,21 @@ class Session:
         # decided alike on every rank (a read is a collective under torch.distributed).
         cpu = all(d.type == "cpu" for d in replicas.placement.devices)
         cbs = plan.callbacks
-        self.exact_logs = cbs.sync_every_batch or (
-            cpu and not plan.info.enabled and getattr(cbs, "needs_batch_logs", True))
+        needs = getattr(cbs, "needs_batch_logs", True)
+        self.exact_logs = cbs.sync_every_batch or (cpu and not plan.info.enabled and needs)
+        # No batch-end hook reads its logs: none are read between epoch ends (each read
+        # folds the losses and syncs). Under torch.distributed a read is a collective, and
+        # ranks may hold other callbacks (the progress bar is rank 0's): read as planned.
+        self.batch_reads = self.exact_logs or needs or plan.info.enabled
         self.data_state: dict[str, Any] | None = None  # train source at the last step
         self.checked = False  # the first batch ran (its errors came back with context)
         self.verified = False  # the checks that need the model's outputs are done
         self.scale = trainer.loss_scale() if trainer is not None else None
+        # Fixed for the call (compile cannot run during one): read once, not every step.
+        config = trainer.config if trainer is not None else None
+        self.accum = config.grad_accum_steps if config is not None else 1
+        self.clip = config.grad_clip_norm if config is not None else None
+        self.step_scheduler = trainer is not None and trainer.scheduler is not None
         if self.monitor is not None:
             self.mgr.install_monitor(self.monitor)
         # Measured loads for this call, or the placement's (replicas kept from an "auto"
@@ -136,12 +145,12 @@ class Session:
             # Zeroed as the step begins, not after it: gradients stay readable until the
             # next step begins (monitors, callbacks).
             first = run.micro_step == 0
-            due = run.micro_step + 1 >= trainer.config.grad_accum_steps
+            due = run.micro_step + 1 >= self.accum
             if self.verified:  # the step inside the batch's hand-off (see run_batch)
                 self.mgr.run_batch(batch, True, total_rows=batch.global_rows, scale=self.scale,
                                    metric=self.metrics if batch.label is not None else None,
                                    zero_grad=first, optimizer=trainer.optimizer if due else None,
-                                   scaler=trainer.scaler, clip_norm=trainer.config.grad_clip_norm)
+                                   scaler=trainer.scaler, clip_norm=self.clip)
             else:  # the first batch: its outputs are checked before the first step
                 self._run(batch, True, zero_grad=first)
                 self._first_batch_checks(batch)
@@ -166,8 +175,8 @@ class Session:
 
     def _stepped(self) -> None:
         """What follows an optimizer step: the scheduler, the counters, the data position."""
-        assert self.trainer is not None  # noqa: S101
-        self.trainer.step_scheduler("step")
+        if self.step_scheduler:
+            self.trainer.step_scheduler("step")  # type: ignore[union-attr]
         self.run.stepped(self.run.micro_step)
         self.data_state = self.plan.source.state_dict()
 
@@ -271,7 +280,8 @@ class Session:
             _check_validation(val, batch, objective, outputs[0])
 
     def _batch_logs(self, index: int) -> dict[str, float]:
-        if self.exact_logs or index == 0 or (index + 1) % self.log_every == 0:
+        if self.exact_logs or (self.batch_reads and (
+                index == 0 or (index + 1) % self.log_every == 0)):
             self.logs = self.read_logs()  # a host sync: only at log points on GPU
         return dict(self.logs)
 

@@ -177,8 +177,9 @@ class Executor:
         ``count`` is what the slice's mean loss divides by (default: its valid rows; the
         non-ignored targets of a loss with an ignore index): the logged loss weighs each
         slice by it."""
-        self.outputs, self.loss = None, None
+        self.loss = None
         if self.rows == 0:  # a short final batch left this device idle
+            self.outputs = None
             return None
         if autocast_dtype is None and self.stream is None and torch.is_grad_enabled() is is_train:
             return self._forward(is_train, loss_fn, weight, None, count)  # no context to enter
@@ -189,7 +190,13 @@ class Executor:
 
     def _forward(self, is_train: bool, loss_fn: LossFn | None, weight: float | torch.Tensor,
                  autocast_dtype: torch.dtype | None, count: int | torch.Tensor | None) -> Any:
-        outputs = self.outputs = self._call(is_train, autocast_dtype)
+        if self.compiled or self.inputs_need_grad:
+            outputs = self._call(is_train, autocast_dtype)
+        else:
+            inputs = self.inputs  # the common case, without _call's and call_module's checks
+            outputs = self.fn(inputs) if inputs.__class__ is torch.Tensor else call_module(
+                self.fn, inputs)
+        self.outputs = outputs
         if loss_fn is not None and self.labels is not None and self.valid > 0:
             out, lab, w = outputs, self.labels, self.weights
             if self.valid < self.rows:

@@ -81,6 +81,7 @@ class DataParallelExecutorGroup:
         self._job = Job(self.executors)
         self._tasks = [functools.partial(device_task, self._job, d) for d in range(n)]
         self.times = self._job.times  # each device's seconds on its share of the last run
+        self._cpu = all(ex.device.type == "cpu" for ex in self.executors)
         self.start = 0.0  # when the last ``run`` handed its batch off
 
     @property
@@ -171,7 +172,6 @@ class DataParallelExecutorGroup:
         loss_fn: LossFn | None,
         total_rows: int | torch.Tensor,
         autocast_dtype: torch.dtype | None,
-        *,
         scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
         metric: Any = None,
         update: FusedUpdate | None = None,
@@ -200,9 +200,9 @@ class DataParallelExecutorGroup:
             max(total_rows, 1))
         for d in range(n):
             weights[d], counts[d] = job.valid[d] / denom, None
-        counter = getattr(loss_fn, "counts", None)
-        if n > 1 and counter is not None and batch.sample_weight is None:
-            if global_count is None and all(ex.device.type == "cpu" for ex in self.executors):
+        counter = getattr(loss_fn, "counts", None) if n > 1 else None
+        if counter is not None and batch.sample_weight is None:
+            if global_count is None and self._cpu:
                 count_all(job, counter)  # per-token weights, from the batch's labels
             else:  # a collective over the ranks, or counts on the devices: as ``forward``
                 self.load_data_batch(batch, slices)

@@ -77,14 +77,11 @@ class FlatBuckets:
                 g.zero_()
 
     def zero_device(self, d: int) -> None:
-        """Zero device ``d``'s gradient buckets (on its own thread, before its backward).
-
-        Device 0's ``.grad`` are re-bound first where replaced or cleared: they are the
-        optimizer's, which a user's code may clear; the other replicas' are fitdp's alone."""
-        if d == 0:
-            for p, v in zip(self.params[0], self.grad_views[0]):
-                if p.grad is not v:
-                    p.grad = v
+        """Zero device ``d``'s gradient buckets (on its own thread, before its backward),
+        re-binding first any ``.grad`` that was replaced or cleared."""
+        for p, v in zip(self.params[d], self.grad_views[d]):
+            if p.grad is not v:
+                p.grad = v
         for g in self.grad_flat[d]:
             g.zero_()
 

@@ -128,13 +128,11 @@ class BatchRunMixin:
         count = all_reduce if self.distributed else None
         if optimizer is None:  # changes no weight: nothing to guard
             group.run(data_batch, rows, axis, slices, is_train, self.loss, total,
-                      self.autocast_dtype, scale=scale, metric=metric, update=update,
-                      serial=serial, global_count=count, timed=timed)
+                      self.autocast_dtype, scale, metric, update, count, serial, timed)
         else:
             with GUARD.critical():  # a Ctrl-C during the step is raised after it
                 group.run(data_batch, rows, axis, slices, is_train, self.loss, total,
-                          self.autocast_dtype, scale=scale, metric=metric, update=update,
-                          serial=serial, global_count=count, timed=timed)
+                          self.autocast_dtype, scale, metric, update, count, serial, timed)
                 if not fused:
                     self.step(optimizer, scaler=scaler, clip_norm=clip_norm)
         if check is not None and is_train:

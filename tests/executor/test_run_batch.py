@@ -206,3 +206,21 @@ def test_views_follow_a_scheduler_and_a_loaded_state():
         b.run_batch(batch, True, zero_grad=True, optimizer=opts[1])
     for x, y in zip(weights(a), weights(b)):
         assert torch.equal(x, y)
+
+
+def test_labels_changed_in_place_are_counted_again():
+    """The proof that no target is ignored is kept per label tensor while its version is
+    unchanged: ignoring targets in place afterwards must weigh the devices by counts again."""
+    a, b = managers(["cpu", "cpu"], None)
+    opts = [torch.optim.SGD(m.master_parameters(), lr=0.1) for m in (a, b)]
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(24, 6, generator=g), torch.randint(0, 4, (24,), generator=g)
+    for step in range(2):
+        if step == 1:
+            y[:5] = -100  # every ignored target on device 0's half of the first batch
+        for i in (0, 12):
+            batch = DataBatch(x[i:i + 12], y[i:i + 12])  # views of y, as TensorSource's
+            stepwise(a, opts[0], batch, True, True)
+            b.run_batch(batch, True, zero_grad=True, optimizer=opts[1])
+    for p, q in zip(weights(a), weights(b)):
+        assert torch.equal(p, q)
