@@ -80,6 +80,7 @@ class DataParallelExecutorGroup:
         # (and hold the job, never the group: a dropped model frees its threads at once).
         self._job = Job(self.executors)
         self._tasks = [functools.partial(device_task, self._job, d) for d in range(n)]
+        self._shares = [functools.partial(device_share, self._job, d) for d in range(n)]
         self.times = self._job.times  # each device's seconds on its share of the last run
         self._cpu = all(ex.device.type == "cpu" for ex in self.executors)
         self.start = 0.0  # when the last ``run`` handed its batch off
@@ -224,6 +225,12 @@ class DataParallelExecutorGroup:
         if serial or n == 1:
             for d in range(n):
                 device_share(job, d)
+            if update is not None:
+                update.finish_all()
+        elif update is None or update.optimizer is None or update.shards == 1:
+            # No update, or device 0's alone: after the shares, here (the hand-off's own
+            # wait is the barrier; no event per device).
+            self.workers.run(self._shares)
             if update is not None:
                 update.finish_all()
         else:

@@ -103,18 +103,20 @@ def device_share(job: Job, d: int) -> None:
     ex = job.executors[d]
     timed = job.timed
     start = perf_counter() if timed else 0.0
-    if job.update is not None:
-        with ex.stream_context():  # on the stream backward accumulates on
-            job.update.before(d)
+    update = job.update
+    if update is not None:
+        if ex.stream is None:
+            update.before(d)
+        else:
+            with ex.stream_context():  # on the stream backward accumulates on
+                update.before(d)
     if job.load:
         batch = job.batch
         if len(job.executors) == 1:
             ex.load(batch.data, batch.label, job.valid[0], batch.sample_weight, job.axis)
         else:
             sl, axis = job.slices[d], job.axis
-            ex.load(take_rows(batch.data, sl, axis),
-                    None if batch.label is None else take_rows(batch.label, sl, axis),
-                    job.valid[d],
+            ex.load(_rows(batch.data, sl, axis), _rows(batch.label, sl, axis), job.valid[d],
                     None if batch.sample_weight is None else batch.sample_weight[sl], axis)
     waited = 0.0
     if job.in_turn:
@@ -172,3 +174,11 @@ def count_all(job: Job, counter: Callable[[Any], torch.Tensor | None]) -> bool:
     for d, c in enumerate(counts):
         job.counts[d], job.weights[d] = c, c / total
     return True
+
+
+def _rows(tree: Any, sl: slice, axis: int) -> Any:
+    """``take_rows`` without its tree walk for one batch-first tensor (every device, every
+    step); None stays None."""
+    if axis == 0 and tree.__class__ is torch.Tensor:
+        return tree[sl]
+    return None if tree is None else take_rows(tree, sl, axis)

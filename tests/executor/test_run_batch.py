@@ -224,3 +224,28 @@ def test_labels_changed_in_place_are_counted_again():
             b.run_batch(batch, True, zero_grad=True, optimizer=opts[1])
     for p, q in zip(weights(a), weights(b)):
         assert torch.equal(p, q)
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = nn.Linear(6, 4), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu"] * 3])
+def test_a_parameter_backward_leaves_without_gradient_steps_as_with_zeros(devices):
+    """Fresh gradients leave an unused parameter's at None; the zeroed buckets give it zeros,
+    and AdamW decays a parameter with a zero gradient (it skips one without): the same."""
+    made = [DataParallelExecutorManager(WithUnused(), devices, loss=Objective("cross_entropy"))
+            for _ in range(2)]
+    opts = [torch.optim.AdamW(m.master_parameters(), lr=0.1, weight_decay=0.5) for m in made]
+    for batch in batches(3):
+        stepwise(made[0], opts[0], batch, True, True)
+        made[1].run_batch(batch, True, zero_grad=True, optimizer=opts[1])
+    for x, y in zip(weights(made[0]), weights(made[1])):
+        assert torch.equal(x, y)
+    assert not torch.equal(made[1].param_arrays[2][0], WithUnused().unused.weight)  # decayed
