@@ -141,6 +141,8 @@ def device_share(job: Job, d: int) -> None:
         with ex.stream_context():
             metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(ex.labels))
     if timed:
+        if ex.stream is not None and not job.is_train:
+            ex.stream.synchronize()  # the share's device time, not its launch (measuring only)
         end = perf_counter()
         job.times[d] = end - start - waited
         job.ends[d] = end
