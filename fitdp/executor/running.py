@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fitdp.batch import DataBatch, axis_of, batch_axis
 from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck, slow_replicas_message
-from fitdp.executor.executor import LossFn
+from fitdp.executor.executor import Executor, LossFn
 from fitdp.executor.fused import SHARD_MIN_NUMEL, FusedUpdate
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.reduce import FlatBuckets
@@ -47,6 +47,10 @@ class BatchRunMixin:
     _reserved: list[Any]
     _fusable: bool
     _shardable: bool
+    _masters: list[torch.nn.Parameter]
+    _one: Executor | None
+    bucket_module: Any
+    execgrp: DataParallelExecutorGroup
 
     if TYPE_CHECKING:  # the manager's
         def _group_of(self, data_batch: DataBatch, checked: bool = False
@@ -75,7 +79,15 @@ class BatchRunMixin:
         # The optimizer step inside the batch's hand-off: one device, or CPU replicas with
         # flat gradient buckets (a step across ranks or GPUs goes through ``step``).
         self._fusable = not self.distributed and (not several or (cpu and self.flat is not None))
-        numel = sum(p.numel() for p in self.master_parameters())
+        masters = self._masters = self.master_parameters()
+        numel = sum(p.numel() for p in masters)
+        # One CPU replica whose executor needs no context (compile, input gradients, streams,
+        # autocast, buckets): ``_run_one``.
+        ex = self.execgrp.executors[0]
+        simple = not (ex.compiled or ex.inputs_need_grad or ex.warn_on_grow)
+        self._one = ex if (not several and cpu and not self.distributed and simple
+                           and self.autocast_dtype is None and self.bucket_module is None
+                           ) else None
         self._shardable = several and self.flat is not None and numel >= SHARD_MIN_NUMEL
 
     def run_batch(
@@ -109,6 +121,16 @@ class BatchRunMixin:
                 inside the same hand-off, each thread stepping its share of the parameters.
         """
         rows, axis = checked_rows(data_batch)
+        one = self._one
+        if one is not None and scaler is None and clip_norm is None:
+            if optimizer is None:
+                self._run_one(one, data_batch, rows, axis, is_train, total_rows, scale, metric,
+                              zero_grad, None)
+            else:
+                with GUARD.critical():  # a Ctrl-C during the step is raised after it
+                    self._run_one(one, data_batch, rows, axis, is_train, total_rows, scale,
+                                  metric, zero_grad, optimizer)
+            return
         group = self._group_of(data_batch, checked=True)
         slices = self._slices_for(rows)
         total: int | torch.Tensor | None = total_rows
@@ -141,6 +163,29 @@ class BatchRunMixin:
             new = balancer.record([s.stop - s.start for s in slices], group.times)
             if new is not None:
                 self._use_loads(new, group.times)
+
+    def _run_one(self, ex: Executor, batch: DataBatch, rows: int, axis: int, is_train: bool,
+                 total_rows: int | None, scale: Callable[[torch.Tensor], torch.Tensor] | None,
+                 metric: Any, zero_grad: bool, optimizer: torch.optim.Optimizer | None) -> None:
+        """``run_batch`` on one CPU replica that needs nothing but its module: the group's
+        steps, in order, without a hand-off's bookkeeping (measured on the 32-64-64-10 MLP:
+        12 us of a 265 us step went to the layers this skips)."""
+        if ex.module.training is not is_train:
+            ex.module.train(is_train)
+        if is_train and zero_grad:
+            for p in self._masters:
+                p.grad = None
+        self.execgrp.slices = self._slices_for(rows)
+        valid = rows - batch.pad
+        ex.load(batch.data, batch.label, valid, batch.sample_weight, axis)
+        total = valid if total_rows is None else total_rows
+        ex.forward(is_train, self.loss, valid / float(max(total, 1)), None, None)
+        if is_train:
+            ex.backward(scale)
+        if metric is not None and valid > 0:
+            metric.update(0, ex.valid_rows(ex.outputs), ex.valid_rows(ex.labels))
+        if optimizer is not None:
+            optimizer.step()
 
     def set_work_load_list(self, work_load_list: Sequence[float] | str | None) -> None:
         """Each device's share of a batch from now on: a list (see ``split_input_slice``),
