@@ -10,9 +10,11 @@ and state.
 On a batch that both starts and ends an optimizer step (no gradient accumulation), the
 gradients are set to None instead of zeroed, so backward writes fresh ones (as a hand-written
 loop's ``zero_grad()`` does) rather than adding into the zeroed buckets: a memset and an
-addition over every gradient less per device (measured: 1 ms of a 20 ms step on the
-2.1M-parameter MLP). They are then added with one ``torch._foreach_add_`` per shard and
-device; the buckets take the gradients again at the next zeroing (``FlatBuckets.zero_device``).
+addition over every gradient less per device (measured, whole steps on two CPU replicas, fresh
+against zeroed: MLP 1024-1024-1024-10 19.18 ms against 19.15 and 19.51 in two runs, MLP
+128-128-128-10 0.589 against 0.602). They are then added with one ``torch._foreach_add_`` per
+shard and device; the buckets take the gradients again at the next zeroing
+(``FlatBuckets.zero_device``).
 """
 
 from __future__ import annotations

@@ -168,8 +168,9 @@ class BatchRunMixin:
                  total_rows: int | None, scale: Callable[[torch.Tensor], torch.Tensor] | None,
                  metric: Any, zero_grad: bool, optimizer: torch.optim.Optimizer | None) -> None:
         """``run_batch`` on one CPU replica that needs nothing but its module: the group's
-        steps, in order, without a hand-off's bookkeeping (measured on the 32-64-64-10 MLP:
-        12 us of a 265 us step went to the layers this skips)."""
+        steps, in order, without a hand-off's bookkeeping (measured on the 32-64-64-10 MLP,
+        batch 32: the step's overhead over a hand-written loop fell from 15 us to 10, of
+        about 260)."""
         if ex.module.training is not is_train:
             ex.module.train(is_train)
         if is_train and zero_grad:

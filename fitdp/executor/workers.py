@@ -15,7 +15,8 @@ class _Slot:
 
     A step's hand-off is a lock release each way (``go``, then ``done``) instead of a Future
     and a queue per task: a round trip is mostly the OS waking a thread, and the Future's
-    condition variable added about 4 us of Python per task to every step.
+    condition variable added Python to it (measured, two no-op tasks per round: 49.7 us
+    against 51.5).
     """
 
     __slots__ = ("go", "done", "task", "result", "error")
