@@ -1,10 +1,12 @@
-"""fitdp's per-step overhead against a hand-written loop, and two-replica CPU scaling.
+"""fitdp's per-step overhead against a hand-written loop, and CPU replicas against theirs.
 
 Run: python bench/overhead.py [--repeats 7] [--device cpu|cuda:0] [--json out.json] [--quick]
 
 Each case times, in the same run, ``Model.fit`` and a hand loop over pre-shuffled tensor
 slices (same model, data, optimizer and step count, one thread), interleaved, and reports
-the median time per step of each and their ratio.
+the median time per step of each and their ratio. Then two-replica scaling, and (CPU) the
+cases of bench/replicas.py: two replicas against a hand-written two-thread loop, and
+``work_load_list="auto"`` against the equal split with one replica at half speed.
 """
 
 from __future__ import annotations
@@ -12,15 +14,21 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-import fitdp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fitdp
+import replicas  # noqa: E402  (bench/ is sys.path[0])
+
+import fitdp  # noqa: E402
 
 
 def mlp(sizes: list[int]) -> nn.Module:
@@ -31,6 +39,7 @@ def mlp(sizes: list[int]) -> nn.Module:
 
 
 Loop = Callable[[], None]
+TARGETS = {"tiny": 1.05, "wide": 1.01}  # fitdp / hand loop per step, at most
 
 
 def hand_loop(net: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int, device: str) -> Loop:
@@ -102,6 +111,7 @@ def main() -> None:
     if args.quick:
         args.repeats = 1
     torch.set_num_threads(1)
+    load = os.getloadavg()
     sync = args.device.startswith("cuda")
     results: dict[str, dict[str, float | str]] = {}
     print(f"{'case (fitdp vs hand loop)':<46} {'fitdp':>12}  {'hand':>12}")
@@ -127,13 +137,20 @@ def main() -> None:
         name, fitdp_loop(copy.deepcopy(net), x, y, bs, [args.device]),
         fitdp_loop(copy.deepcopy(net), x, y, bs, two), n // bs, args.repeats, sync, clock="wall",
     )
+    out: dict[str, object] = dict(results)
+    if args.device == "cpu":
+        print()
+        out["replicas"] = replicas.run_cases(args.repeats, args.quick)
+    out["machine"] = {**replicas.machine(), "loadavg_at_start": load}
     tiny, big = (results[k]["ratio"] for k in list(results)[:2])
-    print(f"\ntiny MLP overhead:   {tiny:.3f}x (target <= 1.10)")
-    print(f"784-512-512 overhead: {big:.3f}x (target <= 1.02)")
+    print(f"\ntiny MLP overhead:   {tiny:.3f}x (target <= {TARGETS['tiny']})")
+    print(f"784-512-512 overhead: {big:.3f}x (target <= {TARGETS['wide']})")
     print(f"2-replica speed-up:  {results['scaling']['ratio']:.3f}x (target >= 1.5)")
+    print(f"{out['machine']['cpu']}; load average {load} at the start, "
+          f"{os.getloadavg()} at the end")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

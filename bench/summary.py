@@ -75,9 +75,10 @@ def ratio_table(rows: list[Ratio], with_bench: bool = True) -> Table:
 
 
 def overhead(data: dict[str, Any], keras: dict[str, Any] | None) -> tuple[list[Ratio], Table]:
-    """fitdp vs hand loop per step (and Keras, measured against its own hand loop)."""
+    """fitdp vs hand loop per step (and Keras, measured against its own hand loop); two CPU
+    replicas vs a hand-written two-thread loop; work_load_list="auto" vs the equal split."""
     rows, detail = [], []
-    for name, target in ((TINY, 1.10), (WIDE, 1.02)):
+    for name, target in ((TINY, 1.05), (WIDE, 1.01)):
         r = data[name]
         peers = []
         k = (keras or {}).get("cases", {}).get(name)
@@ -95,9 +96,35 @@ def overhead(data: dict[str, Any], keras: dict[str, Any] | None) -> tuple[list[R
     detail.append(["MLP 1024^3, batch 256: 2 replicas (fitdp) vs 1 replica (reference)",
                    f"{s['a_ms']:.3f}", f"{s['b_ms']:.3f}", f"{s['ratio']:.3f}x speed-up",
                    "-", "-", "-"])
+    replica_rows, replica_detail = replicas(data.get("replicas") or {})
     headers = ["case", "hand ms/step", "fitdp ms/step", "fitdp / hand", "Keras ms/step",
                "hand ms/step (Keras run)", "Keras / hand"]
-    return rows, Table(headers, detail)
+    return rows + replica_rows, Table(headers, detail + replica_detail)
+
+
+def replicas(cases: dict[str, Any]) -> tuple[list[Ratio], list[list[str]]]:
+    """Rows of bench/replicas.py's cases (in overhead.py's JSON under "replicas")."""
+    rows, detail = [], []
+    for name, r in cases.items():
+        if name == "auto":
+            continue
+        rows.append(Ratio("overhead", f"{name}: 2 CPU replicas, speed vs hand 2 threads",
+                          f"hand {r['hand_ms']:.3f} ms/step", f"{r['fitdp_ms']:.3f}",
+                          r["speed_ratio"], r["speed_ratio"], ">=", 0.95,
+                          [f"1 replica {r['one_replica_ms']:.3f} ms"]))
+        detail.append([f"{name}: 2 replicas (fitdp) vs hand-written 2 threads",
+                       f"{r['hand_ms']:.3f}", f"{r['fitdp_ms']:.3f}",
+                       f"{r['speed_ratio']:.3f}x speed", "-", "-", "-"])
+    a = cases.get("auto")
+    if a:
+        rows.append(Ratio("overhead", "MLP 1024^3, batch 256, replica 1 at half speed: "
+                          "work_load_list='auto' speed-up", f"equal split {a['equal_ms']:.2f} "
+                          "ms/step", f"auto {a['auto_ms']:.2f}", a["throughput_ratio"],
+                          a["throughput_ratio"], ">=", 1.3, [f"loads {a['auto_loads']}"]))
+        detail.append(["work_load_list='auto' (fitdp) vs equal split, replica 1 at half speed",
+                       f"{a['equal_ms']:.3f}", f"{a['auto_ms']:.3f}",
+                       f"{a['throughput_ratio']:.3f}x speed-up", "-", "-", "-"])
+    return rows, detail
 
 
 def checkpoint(data: dict[str, Any]) -> tuple[list[Ratio], Table]:

@@ -86,6 +86,12 @@ class Model(ModelIO, ModelExtras):
         return self._trainer.optimizer if self._trainer is not None else None
 
     @property
+    def work_load_list(self) -> list[float] | None:
+        """Each device's share of a batch on the replicas in use (measured with
+        ``work_load_list="auto"``), or None before the first call."""
+        return self._replicas.manager.work_load_list if self._replicas is not None else None
+
+    @property
     def lr_scheduler(self) -> Any:
         """The scheduler of ``compile(lr_scheduler=...)``, or None."""
         return self._trainer.scheduler if self._trainer is not None else None
@@ -132,7 +138,7 @@ class Model(ModelIO, ModelExtras):
             initial_epoch: int = 0, steps_per_epoch: int | None = None,
             validation_steps: int | None = None, validation_batch_size: int | None = None,
             validation_freq: int | Sequence[int] = 1, devices: DevicesArg = "auto",
-            work_load_list: Sequence[float] | None = None, seed: int | None = None,
+            work_load_list: Sequence[float] | str | None = None, seed: int | None = None,
             monitor: Monitor | None = None, resume: Any = None, log_every: int = 50,
             timeout: float = DEFAULT_TIMEOUT, **legacy: Any) -> History:
         """Train for ``epochs`` epochs; returns the ``History`` (see API.md and Keras's fit).
@@ -183,7 +189,8 @@ class Model(ModelIO, ModelExtras):
     def evaluate(self, x: Any = None, y: Any = None, *, batch_size: int = 32,
                  verbose: int | str = "auto", sample_weight: Any = None,
                  steps: int | None = None, callbacks: Sequence[Callback] | None = None,
-                 return_dict: bool = True, devices: DevicesArg = "auto", **legacy: Any
+                 return_dict: bool = True, devices: DevicesArg = "auto",
+                 work_load_list: Sequence[float] | str | None = None, **legacy: Any
                  ) -> dict[str, float] | list[float] | float:
         """Loss and every metric over the data, from its start: ``{"loss": ...,
         "<metric>": ...}`` (exact over every rank under torch.distributed). With
@@ -191,19 +198,22 @@ class Model(ModelIO, ModelExtras):
         trainer = self._compiled("evaluate")
         plan = plan_call(self, legacy_data(x, legacy, "evaluate"), y, sample_weight,
                          batch_size=batch_size, verbose=verbose, callbacks=callbacks,
-                         steps=steps, devices=devices, has_labels=True)
+                         steps=steps, devices=devices, has_labels=True,
+                         work_load_list=work_load_list)
         with self._call(plan, trainer) as session:
             logs = session.test_pass(plan.source, plan.callbacks, plan.steps)
         return keras_logs(logs, trainer, return_dict)
 
     def predict(self, x: Any = None, *, batch_size: int = 32, verbose: int | str = 0,
                 steps: int | None = None, callbacks: Sequence[Callback] | None = None,
-                devices: DevicesArg = "auto", **legacy: Any) -> Any:
+                devices: DevicesArg = "auto", work_load_list: Sequence[float] | str | None = None,
+                **legacy: Any) -> Any:
         """Outputs for every sample, one row per input sample, in input order, on the CPU
         (under torch.distributed: all rows, on every rank). Needs no compile."""
         plan = plan_call(self, legacy_data(x, legacy, "predict"), None, None,
                          batch_size=batch_size, verbose=verbose, callbacks=callbacks,
-                         steps=steps, devices=devices, has_labels=False)
+                         steps=steps, devices=devices, has_labels=False,
+                         work_load_list=work_load_list)
         with self._call(plan, self._trainer) as session:
             return session.predict_pass(plan.source, plan.callbacks, plan.steps)
 

@@ -138,7 +138,8 @@ class ModelExtras:
         batch = self.run.batch
         with self._call(plan, trainer) as session:
             session.reset_logs()
-            logs = session.train_step(next(iter(plan.source)), 0)
+            session.train_step(next(iter(plan.source)), 0)
+            logs = session.read_logs()
         # Keras counts the step (optimizer iterations), not a position in some epoch: a
         # later fit(resume=...) of a checkpoint must not think an epoch is half done.
         self.run.batch = batch

@@ -15,7 +15,7 @@ from fitdp import distributed
 from fitdp.batch import DataBatch
 from fitdp.callbacks import Callback, CallbackList
 from fitdp.devices import DevicesArg, resolve_devices
-from fitdp.executor.slicing import check_work_load_list
+from fitdp.executor.slicing import check_work_load_arg
 from fitdp.monitor import Monitor
 from fitdp.persist import resume_path
 from fitdp.replicas import Placement
@@ -36,6 +36,7 @@ class CallPlan:
     steps: int | None = None
     user_source: bool = False  # the source is the user's object: give it back unmoved
     borrowed: tuple[DataSource, ...] = ()  # user sources a call only reads: put back after
+    auto_loads: bool = False  # work_load_list="auto": the manager measures the loads
 
 
 @dataclasses.dataclass
@@ -90,7 +91,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         validation_data = (x[1], y[1]) if sample_weight[1] is None else (x[1], y[1],
                                                                           sample_weight[1])
         x, y, sample_weight = x[0], y[0], sample_weight[0]
-    placement, info = _place(model, devices, work_load_list, timeout, batch_size)
+    placement, info, auto = _place(model, devices, work_load_list, timeout, batch_size)
     train = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
                         class_weight=class_weight, rank=info.rank, world_size=info.world_size)
     num = train.num_batches
@@ -110,6 +111,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         source=train, callbacks=cbs, placement=_bucketed(placement, train), info=info,
         steps=steps, user_source=is_source(x), epochs=epochs, initial_epoch=initial_epoch,
         borrowed=(val,) if val is not None and is_source(validation_data) else (),
+        auto_loads=auto,
         val=val, val_steps=val_steps, val_freq=val_freq, seed=seed, monitor=monitor,
         resume=resume_path(resume, cbs.callbacks), log_every=log_every,
     )
@@ -117,11 +119,12 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
 
 def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
               verbose: Any, callbacks: Any, steps: Any, devices: DevicesArg,
-              has_labels: bool) -> CallPlan:
+              has_labels: bool, work_load_list: Any = None) -> CallPlan:
     """``evaluate`` (``has_labels``) or ``predict``."""
     check_int("batch_size", batch_size, 1)
     steps = None if steps is None else check_int("steps", steps, 1)
-    placement, info = _place(model, devices, None, distributed.DEFAULT_TIMEOUT, None)
+    placement, info, auto = _place(model, devices, work_load_list, distributed.DEFAULT_TIMEOUT,
+                                   None)
     source = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=False, seed=0,
                          has_labels=has_labels, rank=info.rank, world_size=info.world_size)
     distributed.check_even(info, "x", _amounts(source))
@@ -129,21 +132,24 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
                      batch_size=batch_size)
     return CallPlan(source=source, callbacks=cbs, placement=_bucketed(placement, source),
                     info=info, steps=steps, user_source=is_source(x),
-                    borrowed=(source,) if is_source(x) else ())
+                    borrowed=(source,) if is_source(x) else (), auto_loads=auto)
 
 
 def _place(model: Any, devices: DevicesArg, work_load_list: Any, timeout: float,
-           batch_size: int | None) -> tuple[Placement, distributed.DistInfo]:
-    """Devices and work loads, resolved once for the call; joins torchrun's job."""
+           batch_size: int | None) -> tuple[Placement, distributed.DistInfo, bool]:
+    """Devices and work loads, resolved once for the call; joins torchrun's job. With
+    ``work_load_list="auto"`` the placement has equal loads and the call measures them."""
     devs = resolve_devices(devices)
-    loads = check_work_load_list(work_load_list, len(devs))
+    checked = check_work_load_arg(work_load_list, len(devs))
+    auto = isinstance(checked, str)
+    loads = [1.0] * len(devs) if isinstance(checked, str) else checked
     if batch_size is not None and batch_size < len(devs):
         fail("batch_size", batch_size, f"at least one sample per device for {len(devs)} "
              f"devices {[str(d) for d in devs]}", f"batch_size >= {len(devs)}, or fewer devices")
     info = distributed.from_env()
     distributed.join(info, devs, timeout)
     model.is_main_process = info.is_main  # before callbacks ask the model
-    return Placement(tuple(devs), tuple(loads), info.enabled), info
+    return Placement(tuple(devs), tuple(loads), info.enabled), info, auto
 
 
 def _amounts(source: DataSource) -> dict[str, int | None]:

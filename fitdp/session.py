@@ -48,7 +48,7 @@ class Session:
                  plan: CallPlan) -> None:
         self.trainer, self.replicas, self.run, self.plan = trainer, replicas, run, plan
         self.mgr = replicas.manager
-        self.metrics = replicas.metrics
+        self.metrics = replicas.metrics or None  # (no metrics: None, not an empty one)
         self.logs: dict[str, float] = {}
         self.log_every = plan.log_every if isinstance(plan, FitPlan) else 50
         self.monitor: Monitor | None = plan.monitor if isinstance(plan, FitPlan) else None
@@ -56,13 +56,29 @@ class Session:
         # decided alike on every rank (a read is a collective under torch.distributed).
         cpu = all(d.type == "cpu" for d in replicas.placement.devices)
         cbs = plan.callbacks
-        self.exact_logs = cbs.sync_every_batch or (
-            cpu and not plan.info.enabled and getattr(cbs, "needs_batch_logs", True))
+        needs = getattr(cbs, "needs_batch_logs", True)
+        self.exact_logs = cbs.sync_every_batch or (cpu and not plan.info.enabled and needs)
+        # No batch-end hook at all: no logs are read between epoch ends (each read folds
+        # the losses and syncs); a hook gets the latest values, never empty. Under
+        # torch.distributed a read is a collective, and ranks may hold other callbacks (the
+        # progress bar is rank 0's): read as planned.
+        listens = cbs.listens("on_train_batch_end") or cbs.listens("on_test_batch_end")
+        self.batch_reads = self.exact_logs or listens or plan.info.enabled
         self.data_state: dict[str, Any] | None = None  # train source at the last step
         self.checked = False  # the first batch ran (its errors came back with context)
         self.verified = False  # the checks that need the model's outputs are done
+        self.scale = trainer.loss_scale() if trainer is not None else None
+        # Fixed for the call (compile cannot run during one): read once, not every step.
+        config = trainer.config if trainer is not None else None
+        self.accum = config.grad_accum_steps if config is not None else 1
+        self.clip = config.grad_clip_norm if config is not None else None
+        self.step_scheduler = trainer is not None and trainer.scheduler is not None
         if self.monitor is not None:
             self.mgr.install_monitor(self.monitor)
+        # Measured loads for this call, or the placement's (replicas kept from an "auto"
+        # call measure no more); the model reports the list in use, updated in place.
+        self.mgr.set_work_load_list(
+            "auto" if plan.auto_loads else list(replicas.placement.work_load_list))
 
     # -- fit ----------------------------------------------------------------------------
 
@@ -126,27 +142,42 @@ class Session:
         with GUARD.critical():
             if self.monitor is not None:
                 self.monitor.tic()
-            if run.micro_step == 0:
-                # Zeroed here, not after the step: gradients stay readable until the next
-                # step begins (monitors, callbacks).
-                self.mgr.zero_grad()
-            self._run(batch, is_train=True)
-            if not self.verified:
+            # Zeroed as the step begins, not after it: gradients stay readable until the
+            # next step begins (monitors, callbacks).
+            first = run.micro_step == 0
+            due = run.micro_step + 1 >= self.accum
+            if self.verified:  # the step inside the batch's hand-off (see run_batch)
+                self.mgr.run_batch(batch, True, total_rows=batch.global_rows, scale=self.scale,
+                                   metric=self.metrics if batch.label is not None else None,
+                                   zero_grad=first, optimizer=trainer.optimizer if due else None,
+                                   scaler=trainer.scaler, clip_norm=self.clip)
+            else:  # the first batch: its outputs are checked before the first step
+                self._run(batch, True, zero_grad=first)
                 self._first_batch_checks(batch)
+                if due:
+                    self._step_replicas()
             run.micro_step += 1
-            if run.micro_step >= trainer.config.grad_accum_steps:
-                self._optimizer_step()
+            if due:
+                self._stepped()
             if self.monitor is not None:
                 self.monitor.toc_print()
         return self._batch_logs(index)
 
     def _optimizer_step(self) -> None:
-        trainer, run = self.trainer, self.run
+        self._step_replicas()
+        self._stepped()
+
+    def _step_replicas(self) -> None:
+        trainer = self.trainer
         assert trainer is not None  # noqa: S101
         self.mgr.step(trainer.optimizer, scaler=trainer.scaler,
                       clip_norm=trainer.config.grad_clip_norm)
-        trainer.step_scheduler("step")
-        run.stepped(run.micro_step)
+
+    def _stepped(self) -> None:
+        """What follows an optimizer step: the scheduler, the counters, the data position."""
+        if self.step_scheduler:
+            self.trainer.step_scheduler("step")  # type: ignore[union-attr]
+        self.run.stepped(self.run.micro_step)
         self.data_state = self.plan.source.state_dict()
 
     def end_epoch(self, logs: dict[str, float]) -> None:
@@ -205,25 +236,23 @@ class Session:
 
     # -- shared by every call -------------------------------------------------------------
 
-    def _run(self, batch: DataBatch, is_train: bool) -> None:
-        """Load, forward (and backward when training) one batch; update the metrics. On a
+    def _run(self, batch: DataBatch, is_train: bool, **step: Any) -> None:
+        """Load, forward (and backward when training) one batch and update the metrics, in
+        one hand-off per device; ``step``: ``run_batch``'s zeroing and optimizer step. On a
         call's first batch, the user's errors come back with what the batch held."""
-        mgr, trainer = self.mgr, self.trainer
         if self.checked:
-            mgr.load_data_batch(batch)
-            mgr.forward(is_train, total_rows=batch.global_rows)
-            if is_train:
-                mgr.backward(reduce=False, scale=trainer.loss_scale())  # type: ignore[union-attr]
-            if self.metrics and batch.label is not None:
-                mgr.update_metric(self.metrics)
+            metrics = self.metrics if batch.label is not None else None
+            self.mgr.run_batch(batch, is_train, total_rows=batch.global_rows,
+                               scale=self.scale if is_train else None, metric=metrics, **step)
             return
+        trainer = self.trainer
         if trainer is not None and batch.label is not None:
             trainer.objective.check_targets(batch.label)
             if batch.sample_weight is not None and not trainer.objective.supports_sample_weight:
                 raise ValueError(trainer.objective.no_weights_message())
         try:
             self.checked = True
-            self._run(batch, is_train)
+            self._run(batch, is_train, **step)
         except Exception as err:
             self.checked = False
             if _raised_in_fitdp(err):
@@ -251,7 +280,8 @@ class Session:
             _check_validation(val, batch, objective, outputs[0])
 
     def _batch_logs(self, index: int) -> dict[str, float]:
-        if self.exact_logs or index == 0 or (index + 1) % self.log_every == 0:
+        if self.exact_logs or (self.batch_reads and (
+                index == 0 or (index + 1) % self.log_every == 0)):
             self.logs = self.read_logs()  # a host sync: only at log points on GPU
         return dict(self.logs)
 

@@ -149,6 +149,10 @@ class CallbackList:
         model then reads exact logs every batch where that costs no device sync (CPU)."""
         return self._needs_logs
 
+    def listens(self, hook_name: str) -> bool:
+        """Whether some callback does something in `hook_name` (it gets called at all)."""
+        return bool(self._hooks.get(hook_name))
+
     @property
     def history(self) -> Any:
         """The `History` callback of this list, or None when there is none."""

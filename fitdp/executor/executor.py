@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.batch import batch_length, take_rows, tree_leaves, tree_map, tree_names
+from fitdp.batch import axis_of, batch_length, take_rows, tree_leaves, tree_map, tree_names
 
 # (outputs, targets) -> scalar mean loss; called (outputs, targets, sample_weight) when the
 # batch carries per-sample weights.
@@ -136,7 +136,11 @@ class Executor:
         self.labels = None if label is None else self._stage(label, "label")
         self.weights = None if weight is None else self._stage(weight, "weight")
         self.axis = axis
-        self.rows = batch_length(self.inputs, axis) if tree_leaves(self.inputs) else 0
+        inputs = self.inputs
+        if isinstance(inputs, torch.Tensor):  # the common case, without walking a tree
+            self.rows = int(inputs.shape[axis_of(inputs, axis)]) if inputs.dim() else 1
+        else:
+            self.rows = batch_length(inputs, axis) if tree_leaves(inputs) else 0
         self.valid = valid
 
     def _stage(self, tree: Any, prefix: str) -> Any:
@@ -165,35 +169,44 @@ class Executor:
         ``count`` is what the slice's mean loss divides by (default: its valid rows; the
         non-ignored targets of a loss with an ignore index): the logged loss weighs each
         slice by it."""
-        autocast = (
-            torch.autocast(self.device.type, dtype=autocast_dtype)
-            if autocast_dtype is not None
-            else _NULL
-        )
-        self.outputs, self.loss = None, None
+        self.loss = None
         if self.rows == 0:  # a short final batch left this device idle
+            self.outputs = None
             return None
+        if autocast_dtype is None and torch.is_grad_enabled() is is_train:
+            return self._forward(is_train, loss_fn, weight, None, count)  # no context to enter
+        autocast = (torch.autocast(self.device.type, dtype=autocast_dtype)
+                    if autocast_dtype is not None else _NULL)
         with torch.set_grad_enabled(is_train), autocast:
+            return self._forward(is_train, loss_fn, weight, autocast_dtype, count)
+
+    def _forward(self, is_train: bool, loss_fn: LossFn | None, weight: float | torch.Tensor,
+                 autocast_dtype: torch.dtype | None, count: int | torch.Tensor | None) -> Any:
+        if self.compiled or self.inputs_need_grad:
             outputs = self._call(is_train, autocast_dtype)
-            self.outputs = outputs
-            if loss_fn is not None and self.labels is not None and self.valid > 0:
-                out, lab, w = outputs, self.labels, self.weights
-                if self.valid < self.rows:
-                    out, lab = self.valid_rows(outputs), self.valid_rows(lab)
-                    w = None if w is None else w[: self.valid]
-                loss = loss_fn(out, lab) if w is None else loss_fn(out, lab, w)
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-                    raise ValueError(
-                        f"loss: the loss function returned {shape}; expected a scalar tensor "
-                        f"(the mean over the batch). Fix: reduce with .mean() or use "
-                        f"reduction='mean'."
-                    )
-                self.pending_losses.append((loss.detach(), self.valid if count is None else count))
-                if len(self.pending_losses) >= 256:  # bound the list between log points
-                    self.fold_losses()
-                unit = isinstance(weight, float) and weight == 1.0
-                self.loss = loss if unit else loss * weight
+        else:
+            inputs = self.inputs  # the common case, without _call's and call_module's checks
+            outputs = self.fn(inputs) if inputs.__class__ is torch.Tensor else call_module(
+                self.fn, inputs)
+        self.outputs = outputs
+        if loss_fn is not None and self.labels is not None and self.valid > 0:
+            out, lab, w = outputs, self.labels, self.weights
+            if self.valid < self.rows:
+                out, lab = self.valid_rows(outputs), self.valid_rows(lab)
+                w = None if w is None else w[: self.valid]
+            loss = loss_fn(out, lab) if w is None else loss_fn(out, lab, w)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+                raise ValueError(
+                    f"loss: the loss function returned {shape}; expected a scalar tensor "
+                    f"(the mean over the batch). Fix: reduce with .mean() or use "
+                    f"reduction='mean'."
+                )
+            self.pending_losses.append((loss.detach(), self.valid if count is None else count))
+            if len(self.pending_losses) >= 256:  # bound the list between log points
+                self.fold_losses()
+            unit = weight.__class__ is float and weight == 1.0
+            self.loss = loss if unit else loss * weight
         return outputs
 
     def signature(self, is_train: bool, autocast_dtype: torch.dtype | None) -> Hashable:
@@ -243,10 +256,15 @@ class Executor:
         """(sum of per-row losses, rows) so far, as device tensors (no host sync); folds the
         batches' losses kept since the last call into the running sums (one op per log
         point instead of one per step)."""
-        if self.pending_losses:
-            losses = torch.stack([loss.double() for loss, _ in self.pending_losses])
-            counts = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
-                                  for _, n in self.pending_losses])
+        pending = self.pending_losses
+        if pending:
+            # A few ops for all the batches, not some per batch (they add up on tiny models).
+            losses = torch.stack([loss for loss, _ in pending]).double()
+            sizes = [n for _, n in pending]
+            counts = (torch.tensor(sizes, dtype=torch.float64, device=self.device)
+                      if all(n.__class__ is int for n in sizes) else
+                      torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
+                                   for n in sizes]))
             self.loss_sum += (losses * counts).sum()
             self.loss_count += counts.sum()
             self.pending_losses = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Hashable, Sequence
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -12,6 +13,8 @@ from torch import nn
 
 from fitdp.batch import DataBatch, take_rows
 from fitdp.executor.executor import Executor, LossFn
+from fitdp.executor.fused import FusedUpdate
+from fitdp.executor.job import Job, count_all, device_share, device_task
 from fitdp.executor.workers import DeviceWorkers
 
 # Layers that draw from the generator in training: their CPU replicas run forward in turn.
@@ -71,6 +74,16 @@ class DataParallelExecutorGroup:
         self.aux_names = list(buffers[0])
         self.aux_arrays = [[b[n] for b in buffers] for n in self.aux_names]
         self.slices: list[slice] = []
+        n = len(self.executors)
+        # ``run``: this batch's work, set before the hand-off; the tasks are made once.
+        # ``run``: this batch's work, read by the device threads; the tasks are made once
+        # (and hold the job, never the group: a dropped model frees its threads at once).
+        self._job = Job(self.executors)
+        self._tasks = [functools.partial(device_task, self._job, d) for d in range(n)]
+        self._shares = [functools.partial(device_share, self._job, d) for d in range(n)]
+        self.times = self._job.times  # each device's seconds on its share of the last run
+        self._cpu = all(ex.device.type == "cpu" for ex in self.executors)
+        self.start = 0.0  # when the last ``run`` handed its batch off
 
     @property
     def grad_arrays(self) -> list[list[torch.Tensor | None]]:
@@ -151,6 +164,88 @@ class DataParallelExecutorGroup:
             self.workers.run([functools.partial(task, ex, d)
                               for d, ex in enumerate(self.executors)])
 
+    def run(
+        self,
+        batch: DataBatch,
+        rows: int,
+        axis: int,
+        slices: list[slice],
+        is_train: bool,
+        loss_fn: LossFn | None,
+        total_rows: int | torch.Tensor,
+        autocast_dtype: torch.dtype | None,
+        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        metric: Any = None,
+        update: FusedUpdate | None = None,
+        global_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        serial: bool = False,
+        timed: bool = False,
+    ) -> None:
+        """Load, forward, backward (``is_train``) and update ``metric`` (a ``DeviceMetrics``)
+        for every device in one hand-off (``rows``, ``axis``: the batch's, checked): each
+        device thread loads its own slice and does all of its work, and with ``update`` also
+        zeroes its gradients first and takes its part of the optimizer update last. Same
+        numbers as ``load_data_batch``, ``forward``, ``backward`` and ``update_metric`` in
+        turn. ``serial``: run every device's share on this thread, one after another (what
+        one replica's thread would do). ``timed``: record each share's time (``times``,
+        ``section_seconds``); untimed, a share reads no clock."""
+        for ex in self.executors:  # read, not cached: see ``forward``
+            if ex.module.training is not is_train:
+                ex.module.train(is_train)
+        job, n = self._job, len(self.executors)
+        job.set(batch, rows, axis, slices, is_train, loss_fn, autocast_dtype, scale, metric,
+                update)
+        job.timed = timed
+        self.slices = slices
+        weights, counts = job.weights, job.counts
+        denom = total_rows.clamp(min=1) if isinstance(total_rows, torch.Tensor) else float(
+            max(total_rows, 1))
+        for d in range(n):
+            weights[d], counts[d] = job.valid[d] / denom, None
+        counter = getattr(loss_fn, "counts", None) if n > 1 else None
+        if counter is not None and batch.sample_weight is None:
+            if global_count is None and self._cpu:
+                count_all(job, counter)  # per-token weights, from the batch's labels
+            else:  # a collective over the ranks, or counts on the devices: as ``forward``
+                self.load_data_batch(batch, slices)
+                job.load = False
+                counted = self._counts(loss_fn, global_count)
+                if counted is not None:
+                    per, total = counted
+                    for d in range(n):
+                        weights[d] = per[d] / total.to(per[d].device, non_blocking=True)
+                        counts[d] = per[d]
+        job.in_turn = is_train and self.stochastic is not False and self._draws_in_turn()
+        probe = job.in_turn and self.stochastic is None
+        before = torch.get_rng_state() if probe else None
+        if job.in_turn:
+            for event in job.turn:
+                event.clear()
+        if timed:
+            self.start = perf_counter()
+        if serial or n == 1:
+            for d in range(n):
+                device_share(job, d)
+            if update is not None:
+                update.finish_all()
+        elif update is None or update.optimizer is None or update.shards == 1:
+            # No update, or device 0's alone: after the shares, here (the hand-off's own
+            # wait is the barrier; no event per device).
+            self.workers.run(self._shares)
+            if update is not None:
+                update.finish_all()
+        else:
+            self.workers.run(self._tasks)
+        if before is not None:  # the probe: did that forward draw random numbers?
+            self.stochastic = not torch.equal(before, torch.get_rng_state())
+        if self.executors[0].warn_on_grow:
+            self._warn_grown()
+
+    def section_seconds(self, serial: bool) -> float:
+        """The last ``run``'s time on the devices' shares: from the hand-off until the last
+        share ended, or (``serial``) the sum of the shares' own times."""
+        return sum(self.times) if serial else max(self._job.ends) - self.start
+
     def _counts(self, loss_fn: LossFn | None, global_count: Callable[[torch.Tensor],
                 torch.Tensor] | None) -> tuple[list[torch.Tensor], torch.Tensor] | None:
         """Per device, what its slice's mean loss divides by, and their sum over devices
@@ -217,3 +312,4 @@ class DataParallelExecutorGroup:
     def outputs(self) -> list[Any]:
         """Each device's outputs, padding rows removed."""
         return [ex.valid_rows(ex.outputs) for ex in self.executors]
+

@@ -17,8 +17,9 @@ from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.executor import LossFn
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.reduce import FlatBuckets
+from fitdp.executor.running import BatchRunMixin, all_reduce
 from fitdp.executor.sharing import bucket_replicas, check_unique_names
-from fitdp.executor.slicing import check_work_load_list, device_slices
+from fitdp.executor.slicing import device_slices
 from fitdp.executor.step import OptimizerStepMixin, ShardedStep
 from fitdp.executor.workers import DeviceWorkers
 
@@ -26,7 +27,7 @@ from fitdp.executor.workers import DeviceWorkers
 _Named = tuple[list[str], Sequence[Sequence[torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
-class DataParallelExecutorManager(OptimizerStepMixin):
+class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
     """Run one module data-parallel over several devices, with bucketing.
 
     Keeps a persistent replica per device, splits each batch by the work load list, runs the
@@ -39,7 +40,8 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         module: the network (the host copy). With one device already holding it, the replica
             is ``module`` itself; otherwise every replica is a copy.
         devices: see ``fitdp.devices.resolve_devices``.
-        work_load_list: relative share of each device; default equal.
+        work_load_list: relative share of each device; default equal. ``"auto"``: measured
+            (see ``set_work_load_list``).
         bucket_module: ``callable(bucket_key) -> nn.Module`` (MXNet's ``sym_gen``).
         default_bucket_key: the bucket ``module`` itself runs.
         logger: where warnings go (default: the ``fitdp`` logger).
@@ -64,7 +66,7 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         module: nn.Module,
         devices: DevicesArg,
         *,
-        work_load_list: Sequence[float] | None = None,
+        work_load_list: Sequence[float] | str | None = None,
         bucket_module: Callable[[Any], nn.Module] | None = None,
         default_bucket_key: Hashable | None = None,
         logger: logging.Logger | None = None,
@@ -76,7 +78,6 @@ class DataParallelExecutorManager(OptimizerStepMixin):
     ) -> None:
         self.devices = resolve_devices(devices)
         self.inputs_need_grad = inputs_need_grad
-        self.work_load_list = check_work_load_list(work_load_list, len(self.devices))
         check_unique_names(module)
         self.logger = logger or logging.getLogger("fitdp")
         self.loss = loss
@@ -105,7 +106,7 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         several = len(self.devices) > 1 or distributed
         self.flat = FlatBuckets(params) if several and params[0] else None
         self._sharded: ShardedStep | None = None
-        self._slices: dict[int, list[slice]] = {}
+        self._init_loads(work_load_list)
         self.logger.debug("fitdp: data parallel on %s", self.devices)
 
     # -- the seed's surface -------------------------------------------------------------
@@ -140,9 +141,19 @@ class DataParallelExecutorManager(OptimizerStepMixin):
 
         A batch without a bucket key (e.g. validation tensors next to bucketed training data)
         runs the default bucket, as does every batch without ``bucket_module``."""
-        data_batch.check_rows()
+        group = self._group_of(data_batch)
+        group.load_data_batch(data_batch, self._slices_for(data_batch.batch_size))
+
+    def _group_of(self, data_batch: DataBatch, checked: bool = False
+                  ) -> DataParallelExecutorGroup:
+        """The batch's bucket group, made current (its rows checked first, unless
+        ``checked``)."""
+        if not checked:
+            data_batch.check_rows()
+        if self.bucket_module is None:
+            return self.execgrp  # the only group, always current
         key = data_batch.bucket_key
-        if self.bucket_module is None or key is None:
+        if key is None:
             key = self.default_bucket_key
         try:
             group = self.groups.get(key)
@@ -151,7 +162,7 @@ class DataParallelExecutorManager(OptimizerStepMixin):
         if group is None:
             group = self._bucket_group(key)
         self.curr_execgrp = group
-        group.load_data_batch(data_batch, self._slices_for(data_batch.batch_size))
+        return group
 
     def forward(self, is_train: bool = False, *, total_rows: int | None = None) -> None:
         """Run every replica on its slice.
@@ -170,7 +181,7 @@ class DataParallelExecutorManager(OptimizerStepMixin):
             if self.distributed and is_train and self.loss is not None:
                 total = self._global_rows(total)
         group.forward(is_train, self.loss, total, self.autocast_dtype,
-                      _all_reduce if self.distributed else None)
+                      all_reduce if self.distributed else None)
 
     def _global_rows(self, local: int) -> int | torch.Tensor:
         """This step's rows summed over ranks (ranks' batches may differ in size)."""
@@ -319,6 +330,7 @@ class DataParallelExecutorManager(OptimizerStepMixin):
     def reserve(self, descs: Sequence[Any]) -> None:
         """Allocate input buffers for a full batch of ``descs`` (``DataDesc``) up front, so
         smaller buckets take views of them instead of re-allocating."""
+        self._reserved = list(descs)  # made again when the work loads change
         for desc in descs:
             axis = desc.batch_axis if len(desc.shape) > desc.batch_axis else 0
             for ex, s in zip(self.execgrp.executors, self._slices_for(desc.shape[axis])):
@@ -377,10 +389,3 @@ def _hashable(key: Any) -> bool:
     except TypeError:
         return False
     return True
-
-
-
-def _all_reduce(value: torch.Tensor) -> torch.Tensor:
-    """``value`` summed over the ranks (a counted loss's denominator)."""
-    dist.all_reduce(value)
-    return value

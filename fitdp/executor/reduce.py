@@ -76,6 +76,15 @@ class FlatBuckets:
             for g in flats:
                 g.zero_()
 
+    def zero_device(self, d: int) -> None:
+        """Zero device ``d``'s gradient buckets (on its own thread, before its backward),
+        re-binding first any ``.grad`` that was replaced or cleared."""
+        for p, v in zip(self.params[d], self.grad_views[d]):
+            if p.grad is not v:
+                p.grad = v
+        for g in self.grad_flat[d]:
+            g.zero_()
+
     def reduce_local(self) -> None:
         """Move every device's gradient buckets into device 0's: add, then zero the source,
         so each backward is counted once however often backward and reduce are called

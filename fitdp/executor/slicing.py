@@ -12,8 +12,9 @@ def check_work_load_list(work_load_list: Sequence[float] | None, num_devices: in
         return [1.0] * num_devices
     if isinstance(work_load_list, (str, bytes)) or not isinstance(work_load_list, Sequence):
         raise TypeError(
-            f"work_load_list: got {type(work_load_list).__name__}; expected a list of "
-            f"{num_devices} positive numbers, one per device"
+            f"work_load_list: got {work_load_list!r} ({type(work_load_list).__name__}); "
+            f"expected a list of {num_devices} positive numbers, one per device, or 'auto' "
+            f"(loads measured while training)"
         )
     if len(work_load_list) != num_devices:
         raise ValueError(
@@ -30,6 +31,19 @@ def check_work_load_list(work_load_list: Sequence[float] | None, num_devices: in
             )
         loads.append(float(w))
     return loads
+
+
+def check_work_load_arg(work_load_list: Sequence[float] | str | None, num_devices: int
+                        ) -> list[float] | str:
+    """``check_work_load_list``, also accepting ``"auto"`` (returned as it is).
+
+    Example:
+        >>> check_work_load_arg("auto", 2), check_work_load_arg(None, 2)
+        ('auto', [1.0, 1.0])
+    """
+    if isinstance(work_load_list, str) and work_load_list == "auto":
+        return "auto"
+    return check_work_load_list(work_load_list, num_devices)  # type: ignore[arg-type]
 
 
 def split_input_slice(batch_size: int, work_load_list: Sequence[float]) -> list[slice]:

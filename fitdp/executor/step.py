@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,13 @@ class ShardedStep:
     optimizer's own ``step`` on a shallow copy that sees only its shard (parameters balanced by
     size) and shares the optimizer's state dict, so the result is the full step, bit for bit.
 
+    Args:
+        optimizer: one of ``SHARDABLE``.
+        workers: the device threads (``step`` runs shard s on thread s).
+        shards: how many shards.
+        owner: ``id(parameter) -> shard`` (default: largest parameters first, each to the
+            lightest shard); parameters it does not name go to shard 0.
+
     Example:
         >>> net = torch.nn.Linear(4, 2)
         >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -39,22 +47,28 @@ class ShardedStep:
         True
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, workers: DeviceWorkers, shards: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, workers: DeviceWorkers | None,
+                 shards: int, owner: Mapping[int, int] | None = None) -> None:
         self.optimizer = optimizer
         self.workers = workers
         self.shards = shards
         self.size = _param_count(optimizer)
-        loads = [0] * shards
-        owner: dict[int, int] = {}
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        for p in sorted(params, key=lambda p: -p.numel()):  # largest first, to the lightest
-            shard = loads.index(min(loads))
-            owner[id(p)] = shard
-            loads[shard] += p.numel()
+        if owner is None:
+            loads = [0] * shards
+            owner = {}
+            for p in sorted(params, key=lambda p: -p.numel()):  # largest first, to the lightest
+                shard = loads.index(min(loads))
+                owner[id(p)] = shard
+                loads[shard] += p.numel()
         # Per shard and group, the parameters it steps: computed once, not per step.
         groups = optimizer.param_groups
-        self.parts = [[[p for p in g["params"] if owner[id(p)] == s] for g in groups]
+        self.parts = [[[p for p in g["params"] if owner.get(id(p), 0) == s] for g in groups]
                       for s in range(shards)]
+        # Each shard's view: made once, refreshed per step (see ``view``).
+        self.views = [copy.copy(optimizer) for _ in range(shards)]
+        for view, part in zip(self.views, self.parts):
+            view.param_groups = [{**g, "params": ps} for g, ps in zip(groups, part)]
 
     @staticmethod
     def supports(optimizer: torch.optim.Optimizer) -> bool:
@@ -64,17 +78,31 @@ class ShardedStep:
         """Whether this plan still describes ``optimizer`` (same object, same parameters)."""
         return optimizer is self.optimizer and _param_count(optimizer) == self.size
 
-    def step(self) -> None:
-        opt = self.optimizer
-        views = []
-        for part in self.parts:
-            view = copy.copy(opt)  # shares state, defaults and hooks; own param_groups
-            view.param_groups = [{**g, "params": ps} for g, ps in zip(opt.param_groups, part)]
-            views.append(view)
-        step = type(opt).step  # the class's step: an LR scheduler patches the instance's
-        self.workers.run([functools.partial(step, v) for v in views])
+    def view(self, shard: int) -> torch.optim.Optimizer:
+        """The optimizer as shard ``shard`` sees it: its parameters only, everything else the
+        optimizer's own as it is now (state, hooks, hyperparameters), so a scheduler's new
+        rate or a loaded state dict is seen: the attributes and groups are refreshed from
+        the optimizer on every call (cheaper than a new shallow copy per step)."""
+        view, opt = self.views[shard], self.optimizer
+        groups = view.param_groups
+        view.__dict__.update(opt.__dict__)
+        for vg, g, ps in zip(groups, opt.param_groups, self.parts[shard]):
+            vg.update(g)
+            vg["params"] = ps
+        view.param_groups = groups
+        return view
+
+    def step_shard(self, shard: int) -> None:
+        """Step the parameters of shard ``shard`` (on any thread; shards are disjoint)."""
+        # The class's step: an LR scheduler patches the instance's.
+        type(self.optimizer).step(self.view(shard))
         # What a scheduler's patched ``opt.step`` records, so it does not warn of a skipped step.
-        opt._opt_called = True  # type: ignore[attr-defined]
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def step(self) -> None:
+        """Every shard at once, shard s on device thread s."""
+        assert self.workers is not None  # noqa: S101 - built with workers for this use
+        self.workers.run([functools.partial(self.step_shard, s) for s in range(self.shards)])
 
 
 def _param_count(optimizer: torch.optim.Optimizer) -> int:

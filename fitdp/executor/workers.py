@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
+
+_STOP = object()  # a worker's task that ends its thread
+
+
+class _Slot:
+    """One worker's hand-off: the task, its outcome, and two locks used as signals.
+
+    A step's hand-off is a lock release each way (``go``, then ``done``) instead of a Future
+    and a queue per task: a round trip is mostly the OS waking a thread, and the Future's
+    condition variable added Python to it (measured, two no-op tasks per round: 49.7 us
+    against 51.5).
+    """
+
+    __slots__ = ("go", "done", "task", "result", "error")
+
+    def __init__(self) -> None:
+        self.go = threading.Lock()
+        self.done = threading.Lock()
+        self.go.acquire()  # held while the worker has nothing to do
+        self.done.acquire()  # held until the task ends
+        self.task: Any = None
+        self.result: Any = None
+        self.error: BaseException | None = None
 
 
 class DeviceWorkers:
@@ -15,7 +36,7 @@ class DeviceWorkers:
 
     Workers are persistent (started once, reused every step), because starting threads per
     step would cost more than a small model's whole step. They stop on ``close()`` or when
-    this object is garbage-collected (the threads hold only their queues, never this object).
+    this object is garbage-collected (the threads hold only their slots, never this object).
 
     Example:
         >>> w = DeviceWorkers(2)
@@ -25,15 +46,16 @@ class DeviceWorkers:
     """
 
     def __init__(self, num_devices: int) -> None:
-        self._queues: list[queue.SimpleQueue[Any]] = []
+        self._slots: list[_Slot] = []
         self._threads: list[threading.Thread] = []
         for d in range(1, num_devices):
-            q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-            t = threading.Thread(target=_serve, args=(q,), name=f"fitdp-device-{d}", daemon=True)
+            slot = _Slot()
+            t = threading.Thread(target=_serve, args=(slot,), name=f"fitdp-device-{d}",
+                                 daemon=True)
             t.start()
-            self._queues.append(q)
+            self._slots.append(slot)
             self._threads.append(t)
-        self._finalizer = weakref.finalize(self, _stop, self._queues, self._threads, 0.0)
+        self._finalizer = weakref.finalize(self, _stop, self._slots, self._threads, 0.0)
 
     @property
     def alive(self) -> int:
@@ -50,55 +72,58 @@ class DeviceWorkers:
         """
         if len(tasks) == 1:
             return [tasks[0]()]
-        futures: list[Future[Any]] = []
-        for q, task in zip(self._queues, tasks[1:]):
-            fut: Future[Any] = Future()
-            q.put((task, fut))
-            futures.append(fut)
-        first: Future[Any] = Future()
+        slots = self._slots
+        for slot, task in zip(slots, tasks[1:]):
+            slot.task = task
+            slot.go.release()
+        results: list[Any] = [None]
+        errors: list[BaseException | None] = [None]
         try:
-            first.set_result(tasks[0]())
-        except BaseException as err:  # noqa: BLE001 - re-raised below, after the others finish
-            first.set_exception(err)
+            results[0] = tasks[0]()
+        except BaseException as err:  # noqa: BLE001 - raised below, after the others finish
+            errors[0] = err
         interrupted: BaseException | None = None
-        for fut in futures:
+        for slot in slots[: len(tasks) - 1]:
             while True:
                 try:
-                    fut.exception()  # waits for the task
+                    slot.done.acquire()
                     break
                 except KeyboardInterrupt as err:  # keep waiting: raise once all are done
                     interrupted = interrupted or err
+            results.append(slot.result)
+            errors.append(slot.error)
+            slot.result = slot.error = None  # hold no step's tensors while idle
         if interrupted is not None:
             raise interrupted
-        for fut in [first, *futures]:
-            exc = fut.exception()
-            if exc is not None:
-                raise exc
-        return [fut.result() for fut in [first, *futures]]
+        for error in errors:
+            if error is not None:
+                raise error
+        return results
 
     def close(self) -> None:
         """Stop the worker threads and wait for them (idempotent)."""
         if self._finalizer.detach() is not None:
-            _stop(self._queues, self._threads)
+            _stop(self._slots, self._threads)
 
 
-def _stop(queues: list[queue.SimpleQueue[Any]], threads: list[threading.Thread],
-          timeout: float = 10.0) -> None:
-    for q in queues:
-        q.put(None)
+def _stop(slots: list[_Slot], threads: list[threading.Thread], timeout: float = 10.0) -> None:
+    for slot in slots:
+        slot.task = _STOP
+        slot.go.release()
     if timeout:
         for t in threads:
             t.join(timeout=timeout)
 
 
-def _serve(q: queue.SimpleQueue[Any]) -> None:
+def _serve(slot: _Slot) -> None:
     while True:
-        item = q.get()
-        if item is None:
+        slot.go.acquire()
+        task, slot.task = slot.task, None
+        if task is _STOP:
             return
-        task, fut = item
         try:
-            fut.set_result(task())
-        except BaseException as err:  # noqa: BLE001 - handed to the caller through the future
-            fut.set_exception(err)
-        del task, fut, item  # drop references to the step's tensors while idle
+            slot.result = task()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller through the slot
+            slot.error = err
+        del task  # drop the reference to the step's tensors while idle
+        slot.done.release()

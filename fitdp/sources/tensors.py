@@ -73,13 +73,22 @@ class TensorSource:
             order = torch.randperm(self.num_samples,
                                    generator=epoch_generator(self.seed, self.epoch))
             x, y, w = tree_map(lambda t: t[order], (x, y, w))
-        take, take_y, take_w = _slicer(x), _slicer(y), _slicer(w)
-        steps = self.num_batches
+        take, take_y = _slicer(x), _slicer(y)
+        take_w = None if w is None else _slicer(w)
+        steps, size, n = self.num_batches, self.global_batch, self.num_samples
+        one = self.world_size == 1
         while self.position < steps:
-            sl, rows = self._rows(self.position)
+            if one:  # (every step: the common case without _rows' arithmetic)
+                start = self.position * size
+                stop = min(start + size, n)
+                sl, rows = slice(start, stop), stop - start
+            else:
+                sl, rows = self._rows(self.position)
             self.position += 1
             # No per-batch index: predict never shuffles, so batch order is input order.
-            yield DataBatch(take(sl), take_y(sl), global_rows=rows, sample_weight=take_w(sl))
+            # (Positional arguments: data, label, bucket_key, pad, index, global_rows, weight.)
+            yield DataBatch(take(sl), take_y(sl), None, 0, None, rows,
+                            None if take_w is None else take_w(sl))
 
     def _rows(self, step: int) -> tuple[slice, int]:
         """This rank's rows of global batch ``step`` (an even split, earlier ranks first), and

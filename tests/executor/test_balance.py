@@ -1,0 +1,163 @@
+"""work_load_list="auto" (LoadBalancer) and the slow-replicas check, from injected timings
+and from replicas slowed on purpose."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from fitdp.batch import DataBatch
+from fitdp.executor import DataParallelExecutorManager
+from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck
+from fitdp.executor.slicing import split_input_slice
+from fitdp.objectives import Objective
+from fitdp.validate import FitdpWarning
+
+
+def test_loads_follow_the_measured_speeds():
+    lb = LoadBalancer(3, window=3, warmup=1)
+    assert lb.record([10, 10, 10], [9.0, 9.0, 9.0]) is None  # warm-up batch: not counted
+    for _ in range(2):
+        assert lb.record([10, 10, 10], [0.01, 0.02, 0.04]) is None
+    loads = lb.record([10, 10, 10], [0.01, 0.02, 0.04])
+    assert loads == pytest.approx([12 / 7, 6 / 7, 3 / 7], abs=1e-3)  # speeds 4 : 2 : 1
+    assert lb.loads == loads and lb.balanced
+
+
+def test_balanced_loads_stay_until_the_times_drift_apart():
+    lb = LoadBalancer(2, window=2, warmup=0, drift=1.15)
+    lb.record([50, 50], [0.01, 0.02])
+    first = lb.record([50, 50], [0.01, 0.02])
+    assert first is not None
+    for _ in range(4):  # finishing together (within the drift): nothing to do
+        assert lb.record([67, 33], [0.0100, 0.0105]) is None
+    lb.record([67, 33], [0.010, 0.030])  # device 1 slowed down again
+    again = lb.record([67, 33], [0.010, 0.030])
+    assert again is not None and again[0] > first[0]
+
+
+def test_batches_with_an_idle_device_tell_nothing():
+    lb = LoadBalancer(2, window=1, warmup=0)
+    assert lb.record([3, 0], [0.01, 0.0]) is None and not lb.balanced
+
+
+def test_no_device_is_left_without_rows():
+    lb = LoadBalancer(2, window=1, warmup=0)
+    loads = lb.record([16, 16], [0.001, 10.0])  # device 1 ten thousand times slower
+    assert loads is not None
+    rows = [s.stop - s.start for s in split_input_slice(32, loads)]
+    assert rows[0] > 16 and rows[1] >= 1  # still gets rows, so it is measured again
+
+
+def test_slow_replicas_are_reported_with_both_times():
+    check = SlowReplicaCheck(warmup=1, probes=2)
+    assert not check.serial_next()
+    check.record(False, 9.0)  # warm-up
+    seen = []
+    while not check.done:
+        serial = check.serial_next()
+        seen.append(serial)
+        verdict = check.record(serial, 0.001 if serial else 0.003)
+    assert seen == [True, True, False, False]
+    assert verdict == (0.003, 0.001)
+
+
+def test_replicas_faster_together_are_not_reported():
+    check = SlowReplicaCheck(warmup=0, probes=1)
+    check.record(True, 0.004)
+    assert check.record(False, 0.0025) is None and check.done
+
+
+class PerRowDelay(nn.Module):
+    """A replica that takes ``delay`` seconds per row (sleeping: a device that slow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.delay = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay * x.shape[0])
+        return self.lin(x)
+
+
+def test_auto_loads_balance_a_slowed_replica_and_keep_the_whole_batch_update(caplog):
+    torch.manual_seed(0)
+    host = PerRowDelay()
+    ref = PerRowDelay()
+    ref.load_state_dict(host.state_dict())
+    mgr = DataParallelExecutorManager(host, ["cpu", "cpu"], work_load_list="auto",
+                                      loss=Objective("cross_entropy"))
+    mgr._speed_check = None
+    mgr.execgrp.executors[0].module.delay = 0.0001
+    mgr.execgrp.executors[1].module.delay = 0.0003  # a third of device 0's speed
+    opt = torch.optim.SGD(mgr.master_parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    with caplog.at_level(logging.INFO, logger="fitdp"):
+        for _ in range(12):
+            x, y = torch.randn(48, 5, generator=g), torch.randint(0, 3, (48,), generator=g)
+            mgr.run_batch(DataBatch(x, y), True, zero_grad=True, optimizer=opt)
+            ref_opt.zero_grad()
+            nn.functional.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+    loads = mgr.work_load_list
+    assert 2.0 < loads[0] / loads[1] < 4.5, loads  # about 3 : 1
+    assert mgr.slices[0].stop > 30  # the split in use is uneven
+    lines = [r.getMessage() for r in caplog.records if "work_load_list='auto'" in r.getMessage()]
+    assert lines and str(loads) in lines[-1]
+    for p, q in zip(mgr.master_parameters(), ref.parameters()):  # the whole batch's update
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    mgr.close()
+
+
+def test_auto_is_checked_and_turned_off():
+    mgr = DataParallelExecutorManager(nn.Linear(2, 2), ["cpu", "cpu"], work_load_list="auto")
+    assert mgr.balancer is not None and mgr.work_load_list == [1.0, 1.0]
+    mgr.set_work_load_list([1, 3])
+    assert mgr.balancer is None and mgr.work_load_list == [1.0, 3.0]
+    assert mgr._slices_for(8) == [slice(0, 2), slice(2, 8)]
+    with pytest.raises(TypeError, match="work_load_list: got 'Auto'.*or 'auto'"):
+        mgr.set_work_load_list("Auto")
+    mgr.close()
+
+
+def test_the_slow_replicas_warning_comes_once_from_fit(monkeypatch):
+    import fitdp
+    from fitdp.executor.group import DataParallelExecutorGroup
+
+    # Injected timings: one after another 1 ms per batch, at once 2.5 ms.
+    monkeypatch.setattr(DataParallelExecutorGroup, "section_seconds",
+                        lambda self, serial: 0.001 if serial else 0.0025)
+    model = fitdp.Model(nn.Linear(4, 3))
+    model.compile(optimizer="sgd", loss="cross_entropy")
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, epochs=2, devices=["cpu", "cpu"], verbose=0)
+        model.fit(x, y, batch_size=8, devices=["cpu", "cpu"], verbose=0)  # same replicas
+    slow = [w for w in caught if issubclass(w.category, FitdpWarning)]
+    assert len(slow) == 1, [str(w.message) for w in slow]
+    text = str(slow[0].message)
+    assert "2.500 ms" in text and "1.000 ms" in text and "devices=['cpu']" in text
+    model.close()
+
+
+def test_no_warning_when_replicas_help(monkeypatch):
+    import fitdp
+    from fitdp.executor.group import DataParallelExecutorGroup
+
+    monkeypatch.setattr(DataParallelExecutorGroup, "section_seconds",
+                        lambda self, serial: 0.002 if serial else 0.0011)
+    model = fitdp.Model(nn.Linear(4, 3))
+    model.compile(optimizer="sgd", loss="cross_entropy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FitdpWarning)
+        model.fit(torch.randn(64, 4), torch.randint(0, 3, (64,)), batch_size=8,
+                  devices=["cpu", "cpu"], verbose=0)
+    model.close()
