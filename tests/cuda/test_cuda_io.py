@@ -64,7 +64,7 @@ def test_predict_buckets_in_input_order_on_cuda(devices: list[str]) -> None:
 
 
 def make(precision: str) -> fitdp.Model:
-    """tests/test_resume.py's model (dropout: CUDA random numbers), in ``precision``."""
+    """tests/model/test_resume.py's model (dropout: CUDA random numbers), in ``precision``."""
     torch.manual_seed(0)
     model = fitdp.Model(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3),
                                       nn.Linear(16, 3)))

@@ -1,4 +1,5 @@
-"""One rank of a 2-process gloo job on 127.0.0.1, launched by tests/test_distributed.py via torchrun.
+"""One rank of a 2-process gloo job on 127.0.0.1, launched via torchrun by
+tests/distributed/test_distributed.py.
 
 Usage: torchrun ... worker.py SCENARIO OUT_DIR
 """

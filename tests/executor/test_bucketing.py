@@ -22,7 +22,7 @@ from fitdp.executor import DataParallelExecutorManager
 
 CPU2 = ["cpu", "cpu"]
 VOCAB = 64
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class PoolNet(nn.Module):

@@ -16,7 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import fitdp
 
-WORKER = os.path.join(os.path.dirname(__file__), "dist", "worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 pytestmark = pytest.mark.distributed
 
 
@@ -135,7 +135,7 @@ def test_torchrun_restart_resumes_to_the_same_weights(tmp_path):
 
 
 def test_digits_example_under_torchrun(tmp_path):
-    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_digits.py")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_digits.py")
     code, output, _ = launch("", tmp_path, script=[os.path.abspath(example), "--fast"])
     assert code == 0, output
     assert output.count("final metrics") == 1  # only rank 0 prints
