@@ -55,7 +55,9 @@ def page(command: str, when: str, machine: list[tuple[str, str]], ratios: list[R
         "",
         "## Summary",
         "",
-        "The ratio is fitdp / reference (the speed-up for the 2-replica row); the target says "
+        "Each row says what its ratio is: time or size as fitdp / reference (lower is "
+        "better), or speed, throughput or bandwidth as fitdp / reference (higher is better: "
+        "the replica, work-load, speed-up, tokens/s, samples/s and GB/s rows); the target says "
         "which side of it fitdp must be on. Peers are measured against the same reference; "
         "Keras against a hand loop timed in its own process.",
         "",
