@@ -2,8 +2,9 @@
 
 Replicas that hold equal values must average to those values bit for bit (ten
 ``evaluate``/``predict`` calls on three replicas once moved 87 of 515 weights by an ulp,
-through ``stack().mean(0)``). So the mean is taken as ``a0 + sum(ai - a0) / n``: the
-differences of equal replicas are exact zeros, and so is their correction.
+through ``stack().mean(0)``). So the mean is ``lerp(a0, a1, 0.5)`` for two replicas and
+``a0 + sum(ai - a0) / n`` for more: both are exact for equal replicas (the differences are
+exact zeros), and both take one pass over memory per replica, in place when they can.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ import torch
 import torch.distributed as dist
 
 
-def replica_mean(block: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def replica_mean(block: Sequence[torch.Tensor], device: torch.device,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """The mean of ``block`` (one tensor per replica) on ``device``; exact when they agree.
 
-    Integer tensors (e.g. BatchNorm's ``num_batches_tracked``) take the floor of the mean.
+    Two replicas take one ``lerp`` pass (exact for equal values: it returns ``b - (b - a) / 2``
+    there); more take ``a0 + sum(ai - a0) / n`` in one scratch tensor. Integer tensors (e.g.
+    BatchNorm's ``num_batches_tracked``) take the floor of the mean. ``out``: write it there
+    (same dtype and device).
 
     Example:
         >>> a = torch.tensor([0.1, 0.2]); replica_mean([a, a.clone(), a.clone()], a.device).equal(a)
@@ -29,10 +34,14 @@ def replica_mean(block: Sequence[torch.Tensor], device: torch.device) -> torch.T
         return first
     if not first.is_floating_point():
         return torch.stack(srcs).sum(0).div(len(srcs), rounding_mode="floor").to(first.dtype)
+    if len(srcs) == 2:
+        return torch.lerp(first, srcs[1], 0.5, out=out) if out is not None else torch.lerp(
+            first, srcs[1], 0.5)
     spread = srcs[1] - first
     for t in srcs[2:]:
-        spread += t - first
-    return first + spread / len(srcs)
+        spread.add_(t).sub_(first)
+    return torch.add(first, spread, alpha=1 / len(srcs), out=out) if out is not None else \
+        torch.add(first, spread, alpha=1 / len(srcs))
 
 
 def average_into(dst: torch.Tensor, block: Sequence[torch.Tensor]) -> None:
@@ -42,7 +51,12 @@ def average_into(dst: torch.Tensor, block: Sequence[torch.Tensor]) -> None:
             if block[0].data_ptr() != dst.data_ptr():
                 dst.copy_(block[0])
             return
-        dst.copy_(replica_mean(block, dst.device))
+        direct = dst.dtype == block[0].dtype and block[0].is_floating_point() and all(
+            t.data_ptr() != dst.data_ptr() for t in block)
+        if direct:
+            replica_mean(block, dst.device, out=dst)
+        else:
+            dst.copy_(replica_mean(block, dst.device))
 
 
 def average_replicas(arrays: Sequence[Sequence[torch.Tensor]], *, distributed: bool) -> None:
