@@ -1,0 +1,87 @@
+"""The ``test`` extra installs everything the tests import (issue 10, item 18).
+
+Regression: three tests needed matplotlib and mkdocs, which ``pip install -e ".[test]"`` did not
+install, so the README's test command failed on a fresh machine while CI (which installed
+more) stayed green. This reads every import of the code the suite runs (tests, examples,
+bench, the Python blocks of docs/) and checks that each third-party distribution it needs is
+a core dependency or in the ``test`` extra.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCAL = {"fitdp", "tests", "bench", "examples", "conftest"}
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in reqs}
+
+
+def _imported_modules(source: str) -> set[str]:
+    """Top-level modules ``source`` imports, less those it falls back from on ImportError
+    (an optional peer such as Lightning in ``bench/distributed.py``)."""
+    tree = ast.parse(source)
+    optional = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) and any(
+        isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+        for h in t.handlers) for n in ast.walk(t)}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in optional:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _sources() -> list[tuple[str, str]]:
+    files = [p for d in ("tests", "examples", "bench") for p in (ROOT / d).rglob("*.py")]
+    out = [(str(p.relative_to(ROOT)), p.read_text()) for p in files]
+    fence = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+    for page in (ROOT / "docs").rglob("*.md"):
+        out += [(str(page.relative_to(ROOT)), b) for b in fence.findall(page.read_text())]
+    return out
+
+
+def test_the_test_extra_installs_everything_the_suite_imports():
+    # what `pip install -e ".[test]"` installed: fitdp's own metadata, core and test extra
+    reqs = md.requires("fitdp") or []
+    allowed = _requirement_names([r for r in reqs if "extra ==" not in r or
+                                  re.search(r"extra\s*==\s*['\"]test['\"]", r)])
+    local = LOCAL | {p.stem for d in ("tests", "bench", "examples")
+                     for p in (ROOT / d).rglob("*.py")}
+    dists = md.packages_distributions()
+    missing: dict[str, set[str]] = {}
+    for where, source in _sources():
+        for module in _imported_modules(source) - local - set(sys.stdlib_module_names):
+            names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
+            # a module several distributions provide is fine when one of them is required
+            if not names & allowed and not _required_by(names, allowed):
+                missing.setdefault(module, set()).add(where)
+    assert not missing, f"imported by the suite but not installed by the test extra: {missing}"
+
+
+def _required_by(names: set[str], allowed: set[str]) -> bool:
+    """Whether a distribution in ``names`` comes with a required one (e.g. torch's numpy)."""
+    for dist in allowed:
+        try:
+            reqs = md.requires(dist) or []
+        except md.PackageNotFoundError:
+            continue
+        plain = [r for r in reqs if "extra ==" not in r]
+        if _requirement_names(plain) & names:
+            return True
+    return False
+
+
+def test_the_detector_sees_a_missing_package():
+    source = ("import numpy\nfrom some_package_nobody_installs.sub import thing\n"
+              "try:\n    import optional_peer\nexcept ImportError:\n    pass\n")
+    assert _imported_modules(source) == {"numpy", "some_package_nobody_installs"}
