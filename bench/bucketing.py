@@ -56,6 +56,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,8 @@ import torch
 import torch._dynamo  # noqa: F401
 from torch import nn
 from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fitdp (children too)
 
 N, VOCAB, DIM, BATCH, MEGA = 4000, 1000, 64, 32, 50
 MEMORY_REPEATS = 5
