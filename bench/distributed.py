@@ -22,6 +22,7 @@ final-epoch training loss is printed too: equal losses show the cases did the sa
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import itertools
 import json
@@ -157,6 +158,10 @@ def run_ddp(args: argparse.Namespace) -> None:
         loss_mean = float(loss_sum) / len(x)
         times.append(time.perf_counter() - t0)
     report("b", rank, times, args.warmup, len(x), loss_mean, time.perf_counter() - start)
+    # DDP's reducer holds the gloo group: freed at interpreter exit while the peer still tears
+    # down, it aborted a rank now and then ("terminate called without an active exception").
+    del net, opt
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
