@@ -12,10 +12,14 @@ import pytest
 @pytest.fixture(scope="session")
 def keras() -> Any:
     """The `keras` module on its torch backend; the test is skipped without Keras (the
-    optional `parity` extra). Imported once per session: it takes seconds."""
+    optional `parity` extra; the `test` extra installs it). Imported once per session: it
+    takes seconds. A ``KERAS_BACKEND`` set in the environment is overridden: the twins
+    compare against Keras on torch."""
     if "keras" not in sys.modules:
-        os.environ.setdefault("KERAS_BACKEND", "torch")
+        os.environ["KERAS_BACKEND"] = "torch"
     module = pytest.importorskip("keras")
     if module.backend.backend() != "torch":
-        pytest.skip(f"Keras runs on {module.backend.backend()!r}; the twins need 'torch'")
+        pytest.fail(f"Keras was imported on the {module.backend.backend()!r} backend before "
+                    "the parity tests ran; the twins need 'torch'. Fix: run them with "
+                    "KERAS_BACKEND=torch, or in their own pytest process.")
     return module
