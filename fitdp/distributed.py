@@ -1,8 +1,12 @@
-"""Running as one rank of a ``torch.distributed`` job under ``torchrun``.
+"""Running as one rank of a ``torch.distributed`` job under ``torchrun``: ``Ranks``, the one
+object above the executor that talks to the other ranks (as Lightning Fabric's strategy).
 
 torchrun's rendezvous plays Caffe2's ``rendezvous``: it sets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK`` and the master address, and fitdp joins the default process group from them
-(gloo on the CPU, NCCL on CUDA). fitdp never invents a transport of its own.
+(gloo on the CPU, NCCL on CUDA). fitdp never invents a transport of its own. Every
+collective the layers above the executor run (join, broadcast of the initial weights, loss
+sums, predict's rows, the even-data check, barriers, the failing-rank report) is a method
+here; the executor runs its gradient collectives itself.
 """
 
 from __future__ import annotations
@@ -29,12 +33,27 @@ _Row = TypeVar("_Row")
 
 
 @dataclasses.dataclass(frozen=True)
-class DistInfo:
-    """This process's place in the job (rank 0 of 1 when not under torchrun)."""
+class Ranks:
+    """This process's place in the job (rank 0 of 1 when not under torchrun) and the
+    collectives fitdp runs across ranks. Reading the place joins nothing: ``join`` does, once
+    per process, when a call attaches its replicas.
+
+    Example:
+        >>> ranks = Ranks()
+        >>> ranks.enabled, ranks.is_main, ranks.all_reduce_sum(torch.ones(2)).tolist()
+        (False, True, [1.0, 1.0])
+    """
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> Ranks:
+        """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as torchrun sets them (joins nothing)."""
+        env = os.environ
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
+                   int(env.get("LOCAL_RANK", 0)))
 
     @property
     def enabled(self) -> bool:
@@ -44,50 +63,112 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def join(self, devices: Sequence[torch.device], timeout: float) -> None:
+        """Join the default process group (once per process) with ``timeout`` on collectives.
 
-def from_env() -> DistInfo:
-    """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as torchrun sets them."""
-    env = os.environ
-    return DistInfo(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
-                    int(env.get("LOCAL_RANK", 0)))
+        Raises:
+            ValueError: a non-positive timeout, or a process group of another world size.
+        """
+        if not timeout > 0:
+            raise ValueError(f"timeout: got {timeout}; expected a positive number of seconds")
+        if not self.enabled:
+            return
+        if dist.is_initialized():
+            if dist.get_world_size() != self.world_size:
+                raise ValueError(
+                    f"WORLD_SIZE is {self.world_size} but the initialized process group has "
+                    f"{dist.get_world_size()} ranks; launch with torchrun and let fitdp join"
+                )
+            return
+        cuda = all(d.type == "cuda" for d in devices)
+        if cuda:
+            torch.cuda.set_device(devices[0])
+        backend = "nccl" if cuda else "gloo"
+        limit = datetime.timedelta(seconds=timeout)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one store across restarts: without a per-attempt prefix
+            # a restarted rank can read the dead ranks' addresses and fail to connect.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                 self.world_size, is_master=False, timeout=limit)
+            store = dist.PrefixStore(f"fitdp/attempt_{attempt}", base)
+            dist.init_process_group(backend, store=store, rank=self.rank,
+                                    world_size=self.world_size, timeout=limit)
+        else:
+            dist.init_process_group(backend, timeout=limit)
+        atexit.register(_leave)
+        log.debug("fitdp: rank %d of %d joined (%s)", self.rank, self.world_size,
+                  dist.get_backend())
 
+    def broadcast_module(self, module: nn.Module, device: torch.device) -> None:
+        """Copy rank 0's parameters and buffers into every rank (the initial weights),
+        through ``device`` (NCCL moves CUDA tensors only: host tensors go through the first
+        device). One process: nothing to do."""
+        if not self.enabled:
+            return
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                staged = t.detach().to(device)
+                dist.broadcast(staged, 0)
+                if staged is not t:
+                    t.copy_(staged)
 
-def join(info: DistInfo, devices: Sequence[torch.device], timeout: float) -> None:
-    """Join the default process group (once per process) with ``timeout`` on collectives.
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum ``values`` over ranks (in place; returned for chaining)."""
+        if self.enabled:
+            dist.all_reduce(values)
+        return values
 
-    Raises:
-        ValueError: a non-positive timeout, or a process group of another world size.
-    """
-    if not timeout > 0:
-        raise ValueError(f"timeout: got {timeout}; expected a positive number of seconds")
-    if not info.enabled:
-        return
-    if dist.is_initialized():
-        if dist.get_world_size() != info.world_size:
-            raise ValueError(
-                f"WORLD_SIZE is {info.world_size} but the initialized process group has "
-                f"{dist.get_world_size()} ranks; launch with torchrun and let fitdp join"
-            )
-        return
-    cuda = all(d.type == "cuda" for d in devices)
-    if cuda:
-        torch.cuda.set_device(devices[0])
-    backend = "nccl" if cuda else "gloo"
-    limit = datetime.timedelta(seconds=timeout)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent keeps one store across restarts: without a per-attempt prefix a
-        # restarted rank can read the dead ranks' addresses and fail to connect.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                             info.world_size, is_master=False, timeout=limit)
-        store = dist.PrefixStore(f"fitdp/attempt_{attempt}", base)
-        dist.init_process_group(backend, store=store, rank=info.rank,
-                                world_size=info.world_size, timeout=limit)
-    else:
-        dist.init_process_group(backend, timeout=limit)
-    atexit.register(_leave)
-    log.debug("fitdp: rank %d of %d joined (%s)", info.rank, info.world_size,
-              dist.get_backend())
+    def check_even(self, name: str, counts: dict[str, int | None]) -> None:
+        """Every rank must see the same amount of data, or the ranks fall out of step in a
+        collective (gloo aborts with "Received data size doesn't match"), or one finishes
+        early. Checked before the first step, on every rank alike.
+
+        Raises:
+            ValueError: on every rank, naming each rank's counts.
+        """
+        if not self.enabled:
+            return
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, counts)
+        if all(p == parts[0] for p in parts):
+            return
+        seen = "; ".join(f"rank {r}: " + ", ".join(f"{v} {k}" for k, v in p.items())
+                         for r, p in enumerate(parts))
+        raise ValueError(
+            f"{name}: the ranks see different amounts of data ({seen}); expected the same on "
+            f"every rank. Fix: pass the same, whole data set on every rank (fitdp gives each "
+            f"rank its shard), or make every rank's loader yield as many batches."
+        )
+
+    def gather_rows(self, keyed: list[_Row]) -> list[_Row]:
+        """Every rank's keyed rows, on every rank, in rank order (used by predict)."""
+        if not self.enabled:
+            return list(keyed)
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, keyed)
+        return [item for part in parts for item in part]
+
+    def barrier(self) -> None:
+        """Wait until every rank has arrived (one process: returns at once)."""
+        if self.enabled:
+            dist.barrier()
+
+    def report_failure(self, err: BaseException) -> None:
+        """Name the failing rank and its traceback on stderr and in torchrun's error file, so
+        the launcher's summary shows the root cause (the other ranks then fail in a
+        collective); this rank then leaves without waiting for its peers at exit."""
+        global _failed
+        if not self.enabled:
+            return
+        _failed = True
+        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        print(f"fitdp: rank {self.rank} (local {self.local_rank}) failed:\n{text}",
+              file=sys.stderr, flush=True)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE") and isinstance(err, Exception):
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(err)
 
 
 _failed = False
@@ -109,64 +190,3 @@ def _leave() -> None:
             pass  # a peer is gone; nothing left to wait for
     dist.destroy_process_group()
     gc.collect()  # free the group's C++ objects while the interpreter is still whole
-
-
-def broadcast_module(module: nn.Module, device: torch.device) -> None:
-    """Copy rank 0's parameters and buffers into every rank (the initial weights), through
-    ``device`` (NCCL moves CUDA tensors only: host tensors go through the first device)."""
-    with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            staged = t.detach().to(device)
-            dist.broadcast(staged, 0)
-            if staged is not t:
-                t.copy_(staged)
-
-
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum ``values`` over ranks (in place; returned for chaining)."""
-    dist.all_reduce(values)
-    return values
-
-
-def check_even(info: DistInfo, name: str, counts: dict[str, int | None]) -> None:
-    """Every rank must see the same amount of data, or the ranks fall out of step in a
-    collective (gloo aborts with "Received data size doesn't match"), or one finishes early.
-    Checked before the first step, on every rank alike.
-
-    Raises:
-        ValueError: on every rank, naming each rank's counts.
-    """
-    if not info.enabled:
-        return
-    parts: list[Any] = [None] * info.world_size
-    dist.all_gather_object(parts, counts)
-    if all(p == parts[0] for p in parts):
-        return
-    seen = "; ".join(f"rank {r}: " + ", ".join(f"{v} {k}" for k, v in p.items())
-                     for r, p in enumerate(parts))
-    raise ValueError(
-        f"{name}: the ranks see different amounts of data ({seen}); expected the same on "
-        f"every rank. Fix: pass the same, whole data set on every rank (fitdp gives each "
-        f"rank its shard), or make every rank's loader yield as many batches."
-    )
-
-
-def gather_rows(keyed: list[_Row]) -> list[_Row]:
-    """Every rank's keyed rows, on every rank (used by predict)."""
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, keyed)
-    return [item for part in parts for item in part]
-
-
-def report_failure(info: DistInfo, err: BaseException) -> None:
-    """Name the failing rank and its traceback on stderr and in torchrun's error file, so the
-    launcher's summary shows the root cause (the other ranks then fail in a collective)."""
-    global _failed
-    _failed = True
-    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-    print(f"fitdp: rank {info.rank} (local {info.local_rank}) failed:\n{text}", file=sys.stderr,
-          flush=True)
-    if os.environ.get("TORCHELASTIC_ERROR_FILE") and isinstance(err, Exception):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(err)

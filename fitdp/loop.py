@@ -9,7 +9,7 @@ import torch
 
 from fitdp.batch import DataBatch, tree_cat, tree_map
 from fitdp.callbacks import CallbackList
-from fitdp.distributed import gather_rows
+from fitdp.distributed import Ranks
 
 
 class Hooks(NamedTuple):
@@ -48,8 +48,7 @@ def run_batches(
     return done
 
 
-def assemble(rows: list[tuple[int, Any, Any]], rank: int, world_size: int, axis: int = 0
-             ) -> Any:
+def assemble(rows: list[tuple[int, Any, Any]], ranks: Ranks, axis: int = 0) -> Any:
     """Predict's rows in input order (from every rank under torch.distributed).
 
     ``rows`` holds ``(step, sample indices or None, outputs)``. A rank's step ``s`` holds
@@ -57,9 +56,9 @@ def assemble(rows: list[tuple[int, Any, Any]], rank: int, world_size: int, axis:
     indices (tensors, BucketIterator) are put back by index. Rows join along the batch
     ``axis`` (1 for time-major data).
     """
-    keyed = [(s * world_size + rank, i, r) for s, i, r in rows]
-    if world_size > 1:
-        keyed = sorted(gather_rows(keyed), key=lambda k: k[0])
+    keyed = [(s * ranks.world_size + ranks.rank, i, r) for s, i, r in rows]
+    if ranks.enabled:
+        keyed = sorted(ranks.gather_rows(keyed), key=lambda k: k[0])
     keyed = [k for k in keyed if k[2] is not None]
     if not keyed:
         raise ValueError("x: got no samples to predict on; expected at least one")

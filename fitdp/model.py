@@ -14,7 +14,7 @@ from torch import nn
 from fitdp.async_checkpoint import AsyncCheckpointWriter
 from fitdp.callbacks import Callback, History
 from fitdp.devices import DevicesArg
-from fitdp.distributed import DEFAULT_TIMEOUT, report_failure
+from fitdp.distributed import DEFAULT_TIMEOUT
 from fitdp.executor.interrupts import GUARD
 from fitdp.metrics import MetricsArg
 from fitdp.model_extras import ModelExtras, keras_logs
@@ -229,6 +229,7 @@ class Model(ModelIO, ModelExtras):
                                "callback); run it after the current call returns")
         training = self.module.training
         positions = [(s, s.state_dict()) for s in plan.borrowed]
+        plan.join()  # under torchrun: the process group, and every rank's data compared
         replicas = self._attach(plan.placement, trainer)
         for source in (plan.source, getattr(plan, "val", None)):
             if source is not None:
@@ -245,8 +246,7 @@ class Model(ModelIO, ModelExtras):
             except Exception as save_err:  # noqa: BLE001 - the call's own error wins
                 warnings.warn(f"a background checkpoint save failed too: {save_err!r}",
                               FitdpWarning, stacklevel=3)
-            if plan.info.enabled:
-                report_failure(plan.info, err)
+            plan.ranks.report_failure(err)
             raise
         finally:
             self._session = None
@@ -266,7 +266,7 @@ class Model(ModelIO, ModelExtras):
             return current
         if placement.default_bucket_key is None and current is not None:
             placement = Placement(placement.devices, placement.work_load_list,
-                                  placement.distributed, current.placement.default_bucket_key)
+                                  placement.ranks, current.placement.default_bucket_key)
         self._release()
         replicas = Replicas(self.module, self.bucket_module, placement, self._trainer)
         if self._trainer is not None:

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from fitdp import distributed
 from fitdp.batch import DataBatch
 from fitdp.callbacks import Callback, CallbackList
 from fitdp.devices import DevicesArg, resolve_devices
+from fitdp.distributed import DEFAULT_TIMEOUT, Ranks
 from fitdp.executor.slicing import check_work_load_arg
 from fitdp.monitor import Monitor
 from fitdp.persist import resume_path
@@ -32,11 +32,28 @@ class CallPlan:
     source: DataSource
     callbacks: CallbackList
     placement: Placement
-    info: distributed.DistInfo
     steps: int | None = None
     user_source: bool = False  # the source is the user's object: give it back unmoved
     borrowed: tuple[DataSource, ...] = ()  # user sources a call only reads: put back after
     auto_loads: bool = False  # work_load_list="auto": the manager measures the loads
+    timeout: float = DEFAULT_TIMEOUT  # seconds a collective may wait for the other ranks
+    # (name, amounts of data) of each source, compared across ranks when the call joins
+    amounts: tuple[tuple[str, dict[str, int | None]], ...] = ()
+
+    @property
+    def ranks(self) -> Ranks:
+        return self.placement.ranks
+
+    def join(self) -> None:
+        """Join torchrun's job and compare every rank's amounts of data: the checks that need
+        the other ranks, run when the call attaches (checking arguments joins nothing).
+
+        Raises:
+            ValueError: ranks with different amounts of data, on every rank, naming each.
+        """
+        self.ranks.join(self.placement.devices, self.timeout)
+        for name, counts in self.amounts:
+            self.ranks.check_even(name, counts)
 
 
 @dataclasses.dataclass
@@ -91,27 +108,28 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         validation_data = (x[1], y[1]) if sample_weight[1] is None else (x[1], y[1],
                                                                           sample_weight[1])
         x, y, sample_weight = x[0], y[0], sample_weight[0]
-    placement, info, auto = _place(model, devices, work_load_list, timeout, batch_size)
+    placement, auto = _place(model, devices, work_load_list, batch_size)
+    ranks = placement.ranks
     train = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                        class_weight=class_weight, rank=info.rank, world_size=info.world_size)
+                        class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size)
     num = train.num_batches
-    distributed.check_even(info, "x", _amounts(train))
     if steps is None and epochs - initial_epoch > 1 and num is None and _one_shot(x):
         fail("x", f"a one-shot iterator ({type(x).__name__})", f"data that can be iterated "
              f"{epochs - initial_epoch} times, or steps_per_epoch", "pass steps_per_epoch= "
              "(an endless generator trains as long as asked), a list, a DataLoader or a "
              "re-iterable object", described=True)
     val = None if validation_data is None else _validation_source(validation_data, val_batch,
-                                                                  seed, info)
+                                                                  seed, ranks)
+    amounts = [("x", _amounts(train))]
     if val is not None:
-        distributed.check_even(info, "validation_data", _amounts(val))
+        amounts.append(("validation_data", _amounts(val)))
     cbs = _callbacks(model, callbacks, verbose, epochs=epochs, batch_size=batch_size,
                      steps=steps or num)
     return FitPlan(
-        source=train, callbacks=cbs, placement=_bucketed(placement, train), info=info,
+        source=train, callbacks=cbs, placement=_bucketed(placement, train),
         steps=steps, user_source=is_source(x), epochs=epochs, initial_epoch=initial_epoch,
         borrowed=(val,) if val is not None and is_source(validation_data) else (),
-        auto_loads=auto,
+        auto_loads=auto, timeout=timeout, amounts=tuple(amounts),
         val=val, val_steps=val_steps, val_freq=val_freq, seed=seed, monitor=monitor,
         resume=resume_path(resume, cbs.callbacks), log_every=log_every,
     )
@@ -123,22 +141,23 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
     """``evaluate`` (``has_labels``) or ``predict``."""
     check_int("batch_size", batch_size, 1)
     steps = None if steps is None else check_int("steps", steps, 1)
-    placement, info, auto = _place(model, devices, work_load_list, distributed.DEFAULT_TIMEOUT,
-                                   None)
+    placement, auto = _place(model, devices, work_load_list, None)
+    ranks = placement.ranks
     source = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=False, seed=0,
-                         has_labels=has_labels, rank=info.rank, world_size=info.world_size)
-    distributed.check_even(info, "x", _amounts(source))
+                         has_labels=has_labels, rank=ranks.rank, world_size=ranks.world_size)
     cbs = _callbacks(model, callbacks, verbose, steps=steps or source.num_batches,
                      batch_size=batch_size)
     return CallPlan(source=source, callbacks=cbs, placement=_bucketed(placement, source),
-                    info=info, steps=steps, user_source=is_source(x),
-                    borrowed=(source,) if is_source(x) else (), auto_loads=auto)
+                    steps=steps, user_source=is_source(x),
+                    borrowed=(source,) if is_source(x) else (), auto_loads=auto,
+                    amounts=(("x", _amounts(source)),))
 
 
-def _place(model: Any, devices: DevicesArg, work_load_list: Any, timeout: float,
-           batch_size: int | None) -> tuple[Placement, distributed.DistInfo, bool]:
-    """Devices and work loads, resolved once for the call; joins torchrun's job. With
-    ``work_load_list="auto"`` the placement has equal loads and the call measures them."""
+def _place(model: Any, devices: DevicesArg, work_load_list: Any, batch_size: int | None
+           ) -> tuple[Placement, bool]:
+    """Devices, work loads and this process's rank, resolved once for the call (nothing is
+    joined yet). With ``work_load_list="auto"`` the placement has equal loads and the call
+    measures them."""
     devs = resolve_devices(devices)
     checked = check_work_load_arg(work_load_list, len(devs))
     auto = isinstance(checked, str)
@@ -146,10 +165,9 @@ def _place(model: Any, devices: DevicesArg, work_load_list: Any, timeout: float,
     if batch_size is not None and batch_size < len(devs):
         fail("batch_size", batch_size, f"at least one sample per device for {len(devs)} "
              f"devices {[str(d) for d in devs]}", f"batch_size >= {len(devs)}, or fewer devices")
-    info = distributed.from_env()
-    distributed.join(info, devs, timeout)
-    model.is_main_process = info.is_main  # before callbacks ask the model
-    return Placement(tuple(devs), tuple(loads), info.enabled), info, auto
+    ranks = Ranks.from_env()
+    model.is_main_process = ranks.is_main  # before callbacks ask the model
+    return Placement(tuple(devs), tuple(loads), ranks), auto
 
 
 def _amounts(source: DataSource) -> dict[str, int | None]:
@@ -214,13 +232,12 @@ def _split(x: Any, y: Any, w: Any, fraction: Any) -> tuple[list[Any], list[Any],
     return [train[0], val[0]], [train[1], val[1]], [train[2], val[2]]
 
 
-def _validation_source(data: Any, batch_size: int, seed: int, info: distributed.DistInfo
-                       ) -> DataSource:
+def _validation_source(data: Any, batch_size: int, seed: int, ranks: Ranks) -> DataSource:
     x, y, w = data, None, None
     if isinstance(data, tuple) and len(data) in (2, 3):
         x, y, w = (*data, None) if len(data) == 2 else data
     return make_source(x, y, w, batch_size=batch_size, shuffle=False, seed=seed,
-                       rank=info.rank, world_size=info.world_size, name="validation_data")
+                       rank=ranks.rank, world_size=ranks.world_size, name="validation_data")
 
 
 def _one_shot(x: Any) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp import distributed
+from fitdp.distributed import Ranks
 from fitdp.executor.manager import DataParallelExecutorManager
 from fitdp.metrics import DeviceMetrics
 from fitdp.optimizers import bind_optimizer
@@ -26,15 +26,20 @@ class Placement:
     Attributes:
         devices: one torch.device per replica.
         work_load_list: each device's share of a batch.
-        distributed: this process is one rank of a torch.distributed job.
+        ranks: this process's place in a torch.distributed job, and its collectives.
         default_bucket_key: the bucket the default executor group runs (None: whichever the
             current replicas have, or no bucketing).
     """
 
     devices: tuple[torch.device, ...]
     work_load_list: tuple[float, ...]
-    distributed: bool = False
+    ranks: Ranks = Ranks()
     default_bucket_key: Hashable | None = None
+
+    @property
+    def distributed(self) -> bool:
+        """This process is one rank of a torch.distributed job of several."""
+        return self.ranks.enabled
 
 
 class Replicas:
@@ -45,7 +50,7 @@ class Replicas:
         module: the host module (copied to the devices; with one device already holding
             it, the replica is the module itself).
         bucket_module: ``callable(bucket_key) -> nn.Module`` (MXNet's ``sym_gen``) or None.
-        placement: devices, work loads, distributed, default bucket.
+        placement: devices, work loads, ranks, default bucket.
         trainer: the compiled setup, or None.
 
     Raises:
@@ -90,7 +95,7 @@ class Replicas:
             placement.default_bucket_key == here.default_bucket_key)
         return (placement.devices == here.devices
                 and placement.work_load_list == here.work_load_list
-                and placement.distributed == here.distributed and same_bucket
+                and placement.ranks == here.ranks and same_bucket
                 and (trainer is self.trainer or trainer is None)
                 and [p.requires_grad for p in module.parameters()] == self.manager.trainable)
 
@@ -103,8 +108,7 @@ class Replicas:
 
     def load_host(self, module: nn.Module) -> None:
         """Copy the host module's weights into every replica (rank 0's under torchrun)."""
-        if self.placement.distributed:
-            distributed.broadcast_module(module, self.placement.devices[0])
+        self.placement.ranks.broadcast_module(module, self.placement.devices[0])
         self.manager.set_params(dict(module.named_parameters()), dict(module.named_buffers()))
 
     def store_host(self, module: nn.Module) -> None:

@@ -18,7 +18,6 @@ import torch
 
 from fitdp.batch import DataBatch, tree_cat, tree_leaves, tree_map, tree_structure
 from fitdp.callbacks import CallbackList
-from fitdp.distributed import all_reduce_sum
 from fitdp.executor.interrupts import GUARD
 from fitdp.loop import PREDICT, TEST, TRAIN, assemble, run_batches
 from fitdp.monitor import Monitor
@@ -57,13 +56,13 @@ class Session:
         cpu = all(d.type == "cpu" for d in replicas.placement.devices)
         cbs = plan.callbacks
         needs = getattr(cbs, "needs_batch_logs", True)
-        self.exact_logs = cbs.sync_every_batch or (cpu and not plan.info.enabled and needs)
+        self.exact_logs = cbs.sync_every_batch or (cpu and not plan.ranks.enabled and needs)
         # No batch-end hook at all: no logs are read between epoch ends (each read folds
         # the losses and syncs); a hook gets the latest values, never empty. Under
         # torch.distributed a read is a collective, and ranks may hold other callbacks (the
         # progress bar is rank 0's): read as planned.
         listens = cbs.listens("on_train_batch_end") or cbs.listens("on_test_batch_end")
-        self.batch_reads = self.exact_logs or listens or plan.info.enabled
+        self.batch_reads = self.exact_logs or listens or plan.ranks.enabled
         self.data_state: dict[str, Any] | None = None  # train source at the last step
         self.checked = False  # the first batch ran (its errors came back with context)
         self.verified = False  # the checks that need the model's outputs are done
@@ -231,7 +230,7 @@ class Session:
         run_batches(itertools.islice(source, steps), callbacks, PREDICT, step,
                     lambda: self.run.stop_predicting)
         callbacks.call("on_predict_end", {})
-        return assemble(rows, self.plan.info.rank, self.plan.info.world_size,
+        return assemble(rows, self.plan.ranks,
                         axes.pop() if len(axes) == 1 else 0)
 
     # -- shared by every call -------------------------------------------------------------
@@ -288,8 +287,8 @@ class Session:
     def read_logs(self) -> dict[str, float]:
         """Mean loss and every metric since the last reset (the one host sync)."""
         total, count = self.mgr.loss_state()
-        if self.mgr.distributed:
-            total, count = all_reduce_sum(torch.stack([total, count]))
+        if self.plan.ranks.enabled:
+            total, count = self.plan.ranks.all_reduce_sum(torch.stack([total, count]))
         rows = float(count)
         logs = {"loss": float(total) / rows} if rows else {}
         if self.metrics:
