@@ -11,11 +11,13 @@ from fitdp._version import __version__
 from fitdp.batch import DataBatch, DataDesc
 from fitdp.bucketing import BucketIterator
 from fitdp.checkpoint import CheckpointError
+from fitdp.executor.engines import DDP, FSDP
 from fitdp.export import load_predictor
 from fitdp.model import Model
 from fitdp.monitor import Monitor
 
 __all__ = [
-    "BucketIterator", "CheckpointError", "DataBatch", "DataDesc", "Model", "Monitor",
+    "DDP", "FSDP", "BucketIterator", "CheckpointError", "DataBatch", "DataDesc", "Model",
+    "Monitor",
     "__version__", "callbacks", "executor", "load_predictor",
 ]

@@ -15,6 +15,7 @@ from fitdp.async_checkpoint import AsyncCheckpointWriter
 from fitdp.callbacks import Callback, History
 from fitdp.devices import DevicesArg
 from fitdp.distributed import DEFAULT_TIMEOUT
+from fitdp.executor.engines import Strategy
 from fitdp.executor.interrupts import GUARD
 from fitdp.metrics import MetricsArg
 from fitdp.model_extras import ModelExtras, keras_logs
@@ -112,6 +113,7 @@ class Model(ModelIO, ModelExtras):
         compile: bool | str = False,
         sync_batchnorm: bool = False,
         loss_weights: Sequence[float] | dict[str, float] | None = None,
+        strategy: Strategy = "auto",
     ) -> None:
         """Choose the optimizer, loss and metrics (see API.md); resets the optimizer state.
 
@@ -119,7 +121,10 @@ class Model(ModelIO, ModelExtras):
         with ``loss_weights``. ``compile``: True or a ``torch.compile`` mode such as
         ``"reduce-overhead"`` (CUDA graphs). ``sync_batchnorm``: under torch.distributed on
         CUDA, BatchNorm
-        layers become ``torch.nn.SyncBatchNorm``. Every argument is checked and every piece
+        layers become ``torch.nn.SyncBatchNorm``. ``strategy``: how ranks share the work under
+        torchrun, ``"auto"`` (DDP when each rank drives one device, else fitdp's own
+        reduction), ``"ddp"``, ``"fsdp"`` (FSDP2), or ``fitdp.DDP(...)``/``fitdp.FSDP(...)``
+        with options (docs/distributed.md). Every argument is checked and every piece
         built before anything changes.
         """
         if self._session is not None:
@@ -127,7 +132,7 @@ class Model(ModelIO, ModelExtras):
                                " compile before or after the call")
         trainer = Trainer.build(self.module, CompileConfig(
             optimizer, loss, metrics, lr, lr_scheduler, precision, grad_clip_norm,
-            grad_accum_steps, compile, sync_batchnorm, loss_weights))
+            grad_accum_steps, compile, sync_batchnorm, loss_weights, strategy=strategy))
         self._release()
         self._trainer = trainer
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fitdp.distributed import Ranks
+from fitdp.executor.engines import engine_for
 from fitdp.executor.manager import DataParallelExecutorManager
 from fitdp.metrics import DeviceMetrics
 from fitdp.optimizers import bind_optimizer
@@ -54,13 +55,16 @@ class Replicas:
         trainer: the compiled setup, or None.
 
     Raises:
-        ValueError: 16-mixed on devices that are not all CUDA; sync_batchnorm off CUDA.
+        ValueError: 16-mixed on devices that are not all CUDA; sync_batchnorm off CUDA; a
+            ``strategy`` that cannot run on this placement.
     """
 
     def __init__(self, module: nn.Module, bucket_module: Callable[[Any], nn.Module] | None,
                  placement: Placement, trainer: Trainer | None) -> None:
         autocast = trainer.autocast_dtype if trainer is not None else None
         devices = list(placement.devices)
+        if trainer is not None:  # a strategy that cannot run here fails before any copy
+            engine_for(trainer.config.strategy, devices, placement.ranks.world_size)
         if autocast is torch.float16 and any(d.type != "cuda" for d in devices):
             fail("compile(precision='16-mixed')", [str(d) for d in devices],
                  "CUDA devices only (it uses a CUDA GradScaler)",

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from fitdp.executor.engines import Strategy, check_strategy
 from fitdp.metrics import MetricsArg, named_metrics
 from fitdp.objectives import Objective
 from fitdp.optimizers import OptimizerArg, Scheduler, build_optimizer, build_scheduler
@@ -41,6 +42,7 @@ class CompileConfig:
     compile: bool | str = False
     sync_batchnorm: bool = False
     loss_weights: Sequence[float] | Mapping[str, float] | None = None
+    strategy: Strategy = "auto"
 
 
 class Trainer:
@@ -92,6 +94,7 @@ class Trainer:
             check_choice("compile", config.compile, COMPILE_MODES)
         if not isinstance(config.sync_batchnorm, bool):
             check_choice("sync_batchnorm", config.sync_batchnorm, (True, False))
+        check_strategy(config.strategy)
         objective = Objective(config.loss, config.loss_weights)
         metrics = named_metrics(config.metrics)
         optimizer = build_optimizer(config.optimizer, module, lr)

@@ -1,0 +1,204 @@
+"""PyTorch's own cross-rank engines for a rank that drives one device: ``DistributedDataParallel``
+(gradients all-reduced in buckets while backward runs) and FSDP2 ``fully_shard`` (parameters,
+gradients and optimizer state sharded over the ranks).
+
+``compile(strategy=...)`` takes ``"auto"``, ``"ddp"``, ``"fsdp"`` or one of the option
+objects below; ``engine_for`` turns it, with the call's devices and world size, into the
+engine the executor wraps its replica with (or None: the executor's own flat-bucket
+reduction, the only way for several local devices per rank).
+
+Both engines keep fitdp's gradient arithmetic: each rank's loss is already weighted by its
+rows over the global batch's, so gradients are **summed** over ranks, not averaged (DDP through
+a summing comm hook, FSDP2 through a gradient divide factor of 1). Ranks with uneven last
+batches therefore still give the whole-batch gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import typing
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STRATEGIES = ("auto", "ddp", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class DDP:
+    """``strategy="ddp"`` with options: the rank's replica under ``DistributedDataParallel``.
+
+    Args:
+        static_graph: the same parameters take part in every step, in the same order (lets
+            DDP skip re-checking the graph each step; wrong for bucketed models whose buckets
+            use different parameters).
+        bucket_cap_mb: the size of one all-reduce bucket (DDP's default 25).
+
+    Example:
+        >>> DDP(static_graph=True).bucket_cap_mb
+        25.0
+    """
+
+    static_graph: bool = False
+    bucket_cap_mb: float = 25.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDP:
+    """``strategy="fsdp"`` with options: FSDP2 ``fully_shard`` on each block, then the root.
+
+    Args:
+        blocks: module classes sharded one instance at a time (e.g. a transformer layer);
+            empty: every submodule holding at least ``min_params`` parameters of its own
+            subtree whose parent does not already qualify as a block below the root.
+        min_params: the size rule used when ``blocks`` is empty.
+        reshard_after_forward: free the gathered parameters after forward (less memory, one
+            more all-gather in backward).
+
+    Example:
+        >>> FSDP(blocks=(nn.Linear,)).min_params
+        1000000
+    """
+
+    blocks: tuple[type[nn.Module], ...] = ()
+    min_params: int = 1_000_000
+    reshard_after_forward: bool = True
+
+
+Strategy = str | DDP | FSDP
+
+
+def check_strategy(value: Any) -> Strategy:
+    """``compile(strategy=...)``'s value, checked (combinations are checked per call).
+
+    Raises:
+        ValueError, TypeError: naming what was received and what is expected.
+    """
+    if isinstance(value, FSDP):
+        bad = [b for b in value.blocks if not (isinstance(b, type) and issubclass(b, nn.Module))]
+        if bad:
+            raise TypeError(f"strategy: FSDP(blocks=...) got {bad!r}; expected nn.Module "
+                            f"classes, e.g. FSDP(blocks=(nn.TransformerEncoderLayer,))")
+    if isinstance(value, (DDP, FSDP)):
+        return value
+    if not isinstance(value, str) or value not in STRATEGIES:
+        raise ValueError(f"strategy: got {value!r}; expected one of {list(STRATEGIES)} or "
+                         f"fitdp.DDP(...)/fitdp.FSDP(...). Fix: strategy='auto' (DDP when each "
+                         f"rank drives one device)")
+    return value
+
+
+def engine_for(strategy: Strategy, devices: Sequence[torch.device], world_size: int
+               ) -> DDP | FSDP | None:
+    """The engine for a call: DDP or FSDP2 for one device per rank, None for the executor's
+    own reduction (one process, or several local devices per rank under ``"auto"``).
+
+    Raises:
+        ValueError: ``"ddp"``/``"fsdp"`` that cannot work here, naming why and the fix.
+    """
+    name = "fsdp" if isinstance(strategy, FSDP) else "ddp" if isinstance(strategy, DDP) \
+        else strategy
+    if name == "auto":
+        return DDP() if world_size > 1 and len(devices) == 1 else None
+    if world_size < 2:
+        raise ValueError(
+            f"compile(strategy={name!r}): got one process (WORLD_SIZE={world_size}); expected "
+            f"a torchrun job of several ranks. Fix: launch with torchrun --nproc-per-node N, "
+            f"or strategy='auto' (replicas in this process)")
+    if len(devices) > 1:
+        raise ValueError(
+            f"compile(strategy={name!r}): got {len(devices)} local devices in one process "
+            f"({[str(d) for d in devices]}); expected one device per rank ({name} wraps one "
+            f"device's module). Fix: one process per device (torchrun --nproc-per-node "
+            f"{len(devices)}) with devices='auto', or strategy='auto' for local replicas")
+    if isinstance(strategy, (DDP, FSDP)):
+        return strategy
+    return DDP() if name == "ddp" else FSDP()
+
+
+def _sum_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce one bucket as a sum (DDP's default divides by the world size)."""
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
+_sum_hook.__annotations__ = typing.get_type_hints(_sum_hook)
+
+
+def wrap_ddp(module: nn.Module, device: torch.device, options: DDP
+             ) -> nn.parallel.DistributedDataParallel:
+    """``module`` (already on ``device``, equal on every rank) under DDP, summing gradients.
+
+    ``gradient_as_bucket_view``: each ``.grad`` is a view into DDP's bucket, so gradients
+    are not held twice (one parameter-sized copy less per rank).
+    """
+    ddp = nn.parallel.DistributedDataParallel(
+        module, device_ids=[device] if device.type == "cuda" else None,
+        broadcast_buffers=False, bucket_cap_mb=options.bucket_cap_mb,
+        gradient_as_bucket_view=True, static_graph=options.static_graph,
+        init_sync=False)  # fitdp broadcasts rank 0's weights itself when a call starts
+    ddp.register_comm_hook(None, _sum_hook)
+    return ddp
+
+
+def shard_fsdp(module: nn.Module, options: FSDP, autocast_dtype: torch.dtype | None
+               ) -> list[nn.Module]:
+    """Apply FSDP2 ``fully_shard`` in place on each block, then on ``module``; returns the
+    sharded modules, root last. Parameters become DTensors (rank ``r`` holds shard ``r`` of
+    dim 0); gradients are summed (divide factor 1) and reduced in float32 under bf16.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32) \
+        if autocast_dtype is not None else MixedPrecisionPolicy()
+    blocks = _blocks(module, options)
+    for block in [*blocks, module]:
+        fully_shard(block, mp_policy=policy,
+                    reshard_after_forward=options.reshard_after_forward)
+        block.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        # a plain SUM (gloo has no PREMUL_SUM; NCCL's sum is as fast)
+        block.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    return [*blocks, module]
+
+
+def _blocks(module: nn.Module, options: FSDP) -> list[nn.Module]:
+    """The submodules sharded one by one: instances of ``options.blocks``, else the largest
+    subtrees of at least ``options.min_params`` parameters below the root (outermost first
+    match wins, so no block holds another)."""
+    found: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            size = sum(p.numel() for p in child.parameters())
+            hit = isinstance(child, options.blocks) if options.blocks \
+                else size >= options.min_params
+            if hit:
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return found
+
+
+@contextlib.contextmanager
+def no_sync(wrapped: nn.Module | None, syncing: bool) -> Iterator[None]:
+    """While accumulating (``syncing`` False), backward skips the cross-rank reduction:
+    DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``."""
+    if syncing or wrapped is None:
+        yield
+        return
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        with wrapped.no_sync():
+            yield
+        return
+    wrapped.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        wrapped.set_requires_gradient_sync(True)  # type: ignore[operator]
