@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -12,71 +10,16 @@ import torch
 from torchmetrics import Metric
 
 from fitdp.batch import tree_leaves, tree_map
+from fitdp.metric_specs import MetricsArg, MetricSpec, metric_specs, snake_case
 
-MetricsArg = Sequence[Metric] | Mapping[str, Metric] | None
+__all__ = ["MERGE_FIX", "DeviceMetrics", "MetricsArg", "MetricSpec", "metric_specs",
+           "snake_case"]
 
 # Metric.merge_state, the public merge this relies on, is in torchmetrics >= 1.6.0.
 MERGE_FIX = (
     "Fix: train on one device (e.g. devices=['cpu']), or subclass the metric and override "
     "merge_state(self, incoming_state) to combine two states (torchmetrics' own advice)"
 )
-
-
-def snake_case(name: str) -> str:
-    """``MulticlassAccuracy`` -> ``multiclass_accuracy`` (the metric's log key)."""
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
-
-
-def named_metrics(metrics: MetricsArg) -> dict[str, Metric]:
-    """Validate ``compile(metrics=...)`` and give each metric its log key.
-
-    Args:
-        metrics: None, one metric, a list/tuple of metrics (log key: the class name in
-            snake_case) or a dict of log key -> metric.
-
-    Returns:
-        log key -> metric.
-
-    Raises:
-        TypeError: ``metrics`` of another type, or an entry that is not a
-            ``torchmetrics.Metric``.
-        ValueError: two metrics with the same log key.
-    """
-    if metrics is None:
-        return {}
-    if isinstance(metrics, Metric):
-        metrics = [metrics]
-    if not isinstance(metrics, (Mapping, list, tuple)):
-        hint = (
-            " Keras' 'accuracy' is MulticlassAccuracy(num_classes=..., average='micro')."
-            if isinstance(metrics, str) else ""
-        )
-        raise TypeError(
-            f"metrics: got {type(metrics).__name__} {metrics!r}; expected a torchmetrics.Metric, "
-            f"a list of them, e.g. [MulticlassAccuracy(num_classes=10)], or a dict naming them, "
-            f"e.g. {{'acc': MulticlassAccuracy(num_classes=10)}}.{hint}"
-        )
-    items = (
-        list(metrics.items())
-        if isinstance(metrics, Mapping)
-        else [(snake_case(type(m).__name__), m) for m in metrics]
-    )
-    out: dict[str, Metric] = {}
-    for name, metric in items:
-        if not isinstance(metric, Metric):
-            raise TypeError(
-                f"metrics: {name!r} is {type(metric).__name__}, not a torchmetrics.Metric. "
-                f"Expected a list or dict of torchmetrics metrics, e.g. "
-                f"[MulticlassAccuracy(num_classes=10)]. Fix: wrap a function in "
-                f"torchmetrics (or a MeanMetric) instead of passing it directly."
-            )
-        if name in out or name == "loss":
-            raise ValueError(
-                f"metrics: two metrics share the log key {name!r}; pass a dict to name them, "
-                f"e.g. {{'acc_top1': ..., 'acc_top5': ...}}"
-            )
-        out[name] = metric
-    return out
 
 
 class DeviceMetrics:
@@ -105,15 +48,17 @@ class DeviceMetrics:
         {'acc': 0.5}
     """
 
-    def __init__(self, metrics: Mapping[str, Metric], devices: Sequence[torch.device]) -> None:
-        self.templates = dict(metrics)
+    def __init__(self, metrics: Mapping[str, Metric | MetricSpec],
+                 devices: Sequence[torch.device]) -> None:
+        self.templates = {n: m if isinstance(m, MetricSpec) else MetricSpec(m)
+                          for n, m in metrics.items()}
         self.devices = list(devices)
-        self.clones = [
-            {n: copy.deepcopy(m).to(dev) for n, m in self.templates.items()} for dev in devices
-        ]
+        self.specs = [{n: m.on(dev) for n, m in self.templates.items()} for dev in devices]
         self.reset()
         if len(self.devices) > 1:
-            for name in self.templates:
+            for name, spec in self.templates.items():
+                if spec.metric is None:
+                    continue  # a Keras name: built on the first batch, of mergeable kinds
                 clones = [c[name] for c in self.clones]
                 for m in clones:
                     # compute() runs on a clone with the others merged in, then puts its own
@@ -121,22 +66,34 @@ class DeviceMetrics:
                     m.compute_with_cache = False
                 self._check_mergeable(name, clones)
 
+    @property
+    def clones(self) -> list[dict[str, Metric]]:
+        """Per device, log key -> its metric (those built so far: a Keras name is built on
+        the device's first batch)."""
+        return [{n: s.metric for n, s in specs.items() if s.metric is not None}
+                for specs in self.specs]
+
     def __bool__(self) -> bool:
         return bool(self.templates)
 
-    def update(self, device_index: int, outputs: Any, labels: Any) -> None:
+    def update(self, device_index: int, outputs: Any, labels: Any,
+               weight: torch.Tensor | None = None) -> None:
         """Update device ``device_index``'s clones (called on that device's thread).
 
         Args:
             device_index: which device's clones.
             outputs: that device's valid output rows (detached here: no metric keeps a graph).
             labels: that device's valid label rows, often a view of a buffer fitdp reuses.
+            weight: that device's valid rows of the sample weights, or None (read by the
+                ``weighted_metrics`` only).
         """
         outputs, labels = tree_map(torch.Tensor.detach, (outputs, labels))
-        inputs = {_storage(t) for t in tree_leaves((outputs, labels))}
-        for m in self.clones[device_index].values():
-            lengths = {k: len(v) for k, v in m.metric_state.items() if isinstance(v, list)}
-            m.update(outputs, labels)
+        inputs = {_storage(t) for t in tree_leaves((outputs, labels, weight))}
+        for spec in self.specs[device_index].values():
+            m = spec.metric
+            lengths = {} if m is None else {
+                k: len(v) for k, v in m.metric_state.items() if isinstance(v, list)}
+            m = spec.update(outputs, labels, weight if spec.weighted else None)
             # Only a state sharing storage with an input can see the next batch overwrite it
             # (a 'cat' list holding the label view, a tensor state set to an input); states
             # computed from the inputs (counts, sums, sigmoids) own new storage. So copy
@@ -168,7 +125,11 @@ class DeviceMetrics:
         """
         logs = {}
         for name in self.templates:
-            value = self._compute_one([clones[name] for clones in self.clones])
+            built = [c[name] for c in self.clones if name in c]
+            if not built:  # a Keras name that saw no batch (Keras: a fresh metric's 0)
+                logs[name] = 0.0
+                continue
+            value = self._compute_one(built)
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
                 raise ValueError(

@@ -68,6 +68,7 @@ class Model(ModelIO, ModelExtras):
         self._replicas: Replicas | None = None
         self._session: Session | None = None
         self._writer: AsyncCheckpointWriter | None = None  # async saves, made on first use
+        self.example_inputs: Any = None  # one CPU row of the last call's inputs (summary)
 
     # -- what callbacks and users read ------------------------------------------------------
 
@@ -114,11 +115,15 @@ class Model(ModelIO, ModelExtras):
         sync_batchnorm: bool = False,
         loss_weights: Sequence[float] | dict[str, float] | None = None,
         strategy: Strategy = "auto",
+        weighted_metrics: MetricsArg = None,
     ) -> None:
         """Choose the optimizer, loss and metrics (see API.md); resets the optimizer state.
 
         ``loss`` may be a list or dict of losses for a module with several outputs, summed
-        with ``loss_weights``. ``compile``: True or a ``torch.compile`` mode such as
+        with ``loss_weights``; Keras's loss and metric names work too, on logits (see
+        ``docs/metrics.md``). ``metrics`` may give a list per output (a dict of lists, or a
+        list of lists); ``weighted_metrics`` (Keras names) are updated with the sample and
+        class weights. ``compile``: True or a ``torch.compile`` mode such as
         ``"reduce-overhead"`` (CUDA graphs). ``sync_batchnorm``: under torch.distributed on
         CUDA, BatchNorm
         layers become ``torch.nn.SyncBatchNorm``. ``strategy``: how ranks share the work under
@@ -132,7 +137,8 @@ class Model(ModelIO, ModelExtras):
                                " compile before or after the call")
         trainer = Trainer.build(self.module, CompileConfig(
             optimizer, loss, metrics, lr, lr_scheduler, precision, grad_clip_norm,
-            grad_accum_steps, compile, sync_batchnorm, loss_weights, strategy=strategy))
+            grad_accum_steps, compile, sync_batchnorm, loss_weights, strategy=strategy,
+            weighted_metrics=weighted_metrics))
         self._release()
         self._trainer = trainer
 
@@ -255,6 +261,8 @@ class Model(ModelIO, ModelExtras):
             raise
         finally:
             self._session = None
+            if session.example_inputs is not None:
+                self.example_inputs = session.example_inputs
             session.close()
             for source, position in positions:  # read from the start, given back unmoved
                 source.load_state_dict(position)

@@ -16,7 +16,7 @@ from fitdp.devices import DevicesArg
 from fitdp.distributed import DEFAULT_TIMEOUT
 from fitdp.plans import CallPlan, plan_call, plan_fit
 from fitdp.sources.convert import as_tensors
-from fitdp.summary import summarize
+from fitdp.summary import summarize, zeros_of
 from fitdp.validate import check_int, fail
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class ModelExtras:
 
         def _compiled(self, what: str) -> Trainer: ...
 
-    def summary(self, x: Any = None, *, expand_nested: bool = False,
+    def summary(self, x: Any = None, *, input_shape: Any = None, expand_nested: bool = False,
                 show_trainable: bool = False, line_length: int = 80,
                 print_fn: Callable[[str], Any] | None = None) -> str:
         """Print and return a Keras-style table of the module: one row per layer (the
@@ -75,14 +75,20 @@ class ModelExtras:
         Output shapes need an example batch: ``x`` (inputs in any form ``predict`` takes:
         a tensor, array, tuple or dict) runs once through the module in eval mode without
         gradients, and each layer's output shape is recorded (shapes include that batch's
-        size; a layer called with different shapes shows ``multiple``). Without ``x`` the
-        shapes show ``?``, as Keras shows them for a model not built yet.
+        size; a layer called with different shapes shows ``multiple``). Without ``x``, one
+        row of ``input_shape`` (zeros) or else of the last ``fit``/``evaluate``'s first
+        batch runs instead, and the batch axis shows as ``None`` (Keras's ``(None, 64)``);
+        with none of these the shapes show ``?``, as Keras shows them for a model not built
+        yet.
 
         Non-trainable counts are parameters with ``requires_grad=False`` plus floating-point
         buffers (BatchNorm running statistics, non-trainable weights in Keras).
 
         Args:
             x: an example batch for the output shapes, or None.
+            input_shape: one sample's shape without the batch axis (``(784,)``), or a
+                tuple/list or dict of those for several inputs (float32 zeros are run;
+                pass ``x`` for integer inputs).
             expand_nested: show the layers inside nested modules, indented.
             show_trainable: add a column: ``Y`` trainable, ``N`` frozen, ``-`` no parameters.
             line_length: width of the table in characters.
@@ -92,11 +98,18 @@ class ModelExtras:
             The text of the table.
 
         Raises:
-            TypeError: ``x`` is not a tensor, array, or tuple/list/dict of them.
+            TypeError: ``x`` is not a tensor, array, or tuple/list/dict of them;
+                ``input_shape`` is not a shape or a tuple/list/dict of shapes.
         """
         width = check_int("summary(line_length=...)", line_length, 40)
-        text = summarize(self.module, x, expand_nested=expand_nested,
-                         show_trainable=show_trainable, line_length=width)
+        example, per_sample = x, False
+        if x is None:
+            example = (zeros_of(input_shape) if input_shape is not None
+                       else getattr(self, "example_inputs", None))
+            per_sample = example is not None
+        text = summarize(self.module, example, expand_nested=expand_nested,
+                         show_trainable=show_trainable, line_length=width,
+                         per_sample=per_sample)
         (print if print_fn is None else print_fn)(text)
         return text
 

@@ -13,15 +13,19 @@ from torch import nn
 from torch.nn import functional as F
 
 from fitdp.batch import tree_leaves, tree_names
+from fitdp.keras_names import BINARY_LOSSES, LOSS_ALIASES, canonical_loss, check_outputs
 from fitdp.validate import check_number, fail
 
+# Every name takes logits; Keras's names (keras_names.LOSS_ALIASES) are these too.
 LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "cross_entropy": F.cross_entropy,
+    "categorical_crossentropy": F.cross_entropy,  # float rows of class probabilities
     "mse": F.mse_loss,
     "l1": F.l1_loss,
     "bce_with_logits": F.binary_cross_entropy_with_logits,
+    "huber": F.huber_loss,
 }
-_FLOAT_TARGETS = ("mse", "l1", "bce_with_logits")
+_FLOAT_TARGETS = ("mse", "l1", "bce_with_logits", "categorical_crossentropy", "huber")
 LossArg = str | nn.Module | Callable[[Any, Any], torch.Tensor]
 
 
@@ -32,9 +36,10 @@ class Loss:
     def __init__(self, spec: LossArg, name: str) -> None:
         self.spec, self.name = spec, name
         if isinstance(spec, str):
+            self.spec = spec = canonical_loss(spec)
             if spec not in LOSSES:
-                fail(name, spec, f"one of {sorted(LOSSES)}, an nn.Module or a "
-                     f"callable(outputs, targets) -> scalar tensor")
+                fail(name, self.spec, f"one of {sorted({*LOSSES, *LOSS_ALIASES})} (all on "
+                     f"logits), an nn.Module or a callable(outputs, targets) -> scalar tensor")
             self.fn = LOSSES[spec]
             self.per_sample: Callable[..., torch.Tensor] | None = functools.partial(
                 self.fn, reduction="none")
@@ -85,10 +90,21 @@ class Loss:
             fail(f"{self.name}='cross_entropy'",
                  f"{targets.dtype} targets of shape {tuple(targets.shape)}",
                  "integer class indices (torch.long)", "pass y.long(), or for soft labels "
-                 "compile with loss=torch.nn.CrossEntropyLoss()", described=True)
+                 "compile with loss='categorical_crossentropy'", described=True)
         if self.spec in _FLOAT_TARGETS and not targets.is_floating_point():
             fail(f"{self.name}={self.spec!r}", f"{targets.dtype} targets",
                  "floating-point targets", "pass y.float()", described=True)
+
+    @property
+    def binary(self) -> bool:
+        """A binary loss (float targets of several columns are multilabel, for metrics)."""
+        return self.spec in BINARY_LOSSES or isinstance(
+            self.spec, (nn.BCEWithLogitsLoss, nn.BCELoss))
+
+    def check_outputs(self, outputs: Any) -> None:
+        """A named loss given probabilities instead of logits: refused, or warned about."""
+        if isinstance(self.spec, str):
+            check_outputs(self.spec, outputs, self.name)
 
     def label_problem(self, outputs: Any, targets: Any) -> str | None:
         """For class-index losses: the first target outside ``[0, classes)`` (the ignore
@@ -163,12 +179,26 @@ class Objective:
                                      weight)
         return total
 
-    def check_targets(self, targets: Any) -> None:
+    def _per_loss(self, tree: Any, name: str) -> list[tuple[Loss, Any]]:
+        """Each loss with its part of ``tree`` (the outputs or the targets)."""
         if self.keys is None:
-            self.losses[0].check_targets(targets)
-            return
-        for key, loss in zip(self.keys, self.losses):
-            loss.check_targets(_pick(targets, key, "y"))
+            return [(self.losses[0], tree)]
+        return [(loss, _pick(tree, key, name)) for key, loss in zip(self.keys, self.losses)]
+
+    def check_targets(self, targets: Any) -> None:
+        for loss, part in self._per_loss(targets, "y"):
+            loss.check_targets(part)
+
+    def binary_outputs(self) -> dict[Any, bool]:
+        """Output key (None: the only output) -> whether its loss is binary."""
+        if self.keys is None:
+            return {None: self.losses[0].binary}
+        return {k: loss.binary for k, loss in zip(self.keys, self.losses)}
+
+    def check_outputs(self, outputs: Any) -> None:
+        """Each named loss's outputs are logits, not probabilities (see ``Loss``)."""
+        for loss, part in self._per_loss(outputs, "outputs"):
+            loss.check_outputs(part)
 
     def label_problem(self, outputs: Any, targets: Any) -> str | None:
         if self.keys is None:

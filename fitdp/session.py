@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fitdp.batch import DataBatch, tree_cat, tree_leaves, tree_map, tree_structure
+from fitdp.batch import DataBatch, take_rows, tree_cat, tree_leaves, tree_map, tree_structure
 from fitdp.callbacks import CallbackList
 from fitdp.executor.interrupts import GUARD
 from fitdp.loop import PREDICT, TEST, TRAIN, assemble, run_batches
@@ -49,6 +49,7 @@ class Session:
         self.mgr = replicas.manager
         self.metrics = replicas.metrics or None  # (no metrics: None, not an empty one)
         self.logs: dict[str, float] = {}
+        self.example_inputs: Any = None
         self.log_every = plan.log_every if isinstance(plan, FitPlan) else 50
         self.monitor: Monitor | None = plan.monitor if isinstance(plan, FitPlan) else None
         # Exact batch logs every batch only where reading them costs no device sync, and
@@ -262,13 +263,16 @@ class Session:
         """Checks that need the model's outputs, made once per call before the first
         optimizer step: every target in range (the whole in-memory label tensor), and the
         validation data shaped like the training data."""
-        self.verified = True
+        self.verified = True  # and one CPU row kept for summary()'s output shapes:
+        self.example_inputs = tree_map(lambda t: t.to("cpu", copy=True), take_rows(
+            batch.data, slice(0, 1), batch.axis))
         if self.trainer is None or batch.label is None:
             return
         outputs = self.mgr.outputs()
         if not outputs:
             return
         objective = self.trainer.objective
+        objective.check_outputs(outputs[0])  # logits, not probabilities
         labels = self.plan.source.plan().targets
         problem = objective.label_problem(outputs[0], batch.label if labels is None else labels)
         if problem:

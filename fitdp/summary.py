@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,11 +36,16 @@ class _Row:
 
 
 def summarize(module: nn.Module, example: Any = None, *, expand_nested: bool = False,
-              show_trainable: bool = False, line_length: int = 80) -> str:
-    """The summary table of ``module`` (see ``Model.summary``)."""
+              show_trainable: bool = False, line_length: int = 80,
+              per_sample: bool = False) -> str:
+    """The summary table of ``module`` (see ``Model.summary``); ``per_sample``: the example
+    is one row standing for any batch, whose axis shows as ``None``."""
     rows = _rows(module, expand_nested)
     if example is not None:
         _record_shapes(module, rows, example)
+    if per_sample:
+        for _, row in rows:
+            row.shapes = [re.sub(r"\(1(?=[,)])", "(None", shape) for shape in row.shapes]
     widths = _widths(line_length, show_trainable)
     title = type(module).__name__
     lines = [f'Model: "{title}"', "_" * line_length]
@@ -58,9 +64,32 @@ def summarize(module: nn.Module, example: Any = None, *, expand_nested: bool = F
               f"Trainable params: {trainable:,} ({_bytes(sizes[0])})",
               f"Non-trainable params: {frozen:,} ({_bytes(sizes[1])})"]
     if example is None:
-        lines.append("Output shapes: pass an example batch, e.g. model.summary(x[:2])")
+        lines.append("Output shapes: pass an example batch, e.g. model.summary(x[:2]), or "
+                     "input_shape=(...)")
     lines.append("_" * line_length)
     return "\n".join(lines)
+
+
+def zeros_of(input_shape: Any) -> Any:
+    """One float32 row of zeros per input shape (Keras's ``input_shape``, no batch axis).
+
+    Raises:
+        TypeError: not a shape, or a tuple/list/dict of shapes.
+
+    Example:
+        >>> zeros_of((3,)).shape, [t.shape for t in zeros_of([(2,), (4, 5)])]
+        (torch.Size([1, 3]), [torch.Size([1, 2]), torch.Size([1, 4, 5])])
+    """
+    if isinstance(input_shape, (tuple, list)) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in input_shape):
+        return torch.zeros(1, *input_shape)
+    if isinstance(input_shape, dict) and input_shape:
+        return {k: zeros_of(v) for k, v in input_shape.items()}
+    if isinstance(input_shape, (tuple, list)) and input_shape:
+        return type(input_shape)(zeros_of(v) for v in input_shape)
+    raise TypeError(f"summary(input_shape=...): got {input_shape!r}; expected one sample's "
+                    f"shape without the batch axis, e.g. (784,), or a tuple/list or dict of "
+                    f"shapes for several inputs. Fix: pass x=<an example batch> instead.")
 
 
 def count_parameters(module: nn.Module) -> tuple[int, int]:

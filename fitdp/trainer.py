@@ -10,10 +10,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchmetrics import Metric
 
 from fitdp.executor.engines import Strategy, check_strategy
-from fitdp.metrics import MetricsArg, named_metrics
+from fitdp.metrics import MetricsArg, MetricSpec, metric_specs
 from fitdp.objectives import Objective
 from fitdp.optimizers import OptimizerArg, Scheduler, build_optimizer, build_scheduler
 from fitdp.validate import check_choice, check_int, check_number
@@ -43,6 +42,7 @@ class CompileConfig:
     sync_batchnorm: bool = False
     loss_weights: Sequence[float] | Mapping[str, float] | None = None
     strategy: Strategy = "auto"
+    weighted_metrics: MetricsArg = None
 
 
 class Trainer:
@@ -54,7 +54,7 @@ class Trainer:
         optimizer: built on the host module's parameters (carried to the replicas by the
             model when they exist).
         scheduler: the LR scheduler or None; ``interval`` is ``"epoch"`` or ``"step"``.
-        metrics: log key -> torchmetrics metric (templates: never updated themselves).
+        metrics: log key -> metric spec (templates: never updated themselves).
         autocast_dtype: the autocast dtype of mixed precision, or None.
         scaler: the GradScaler of ``16-mixed``, made when the model first runs on CUDA.
 
@@ -66,7 +66,7 @@ class Trainer:
 
     def __init__(self, config: CompileConfig, objective: Objective,
                  optimizer: torch.optim.Optimizer, scheduler: Scheduler, interval: str,
-                 metrics: dict[str, Metric]) -> None:
+                 metrics: dict[str, MetricSpec]) -> None:
         self.config = config
         self.objective = objective
         self.optimizer = optimizer
@@ -96,7 +96,8 @@ class Trainer:
             check_choice("sync_batchnorm", config.sync_batchnorm, (True, False))
         check_strategy(config.strategy)
         objective = Objective(config.loss, config.loss_weights)
-        metrics = named_metrics(config.metrics)
+        metrics = metric_specs(config.metrics, config.weighted_metrics,
+                               objective.binary_outputs())
         optimizer = build_optimizer(config.optimizer, module, lr)
         scheduler, interval = build_scheduler(config.lr_scheduler, optimizer)
         return cls(config, objective, optimizer, scheduler, interval, metrics)

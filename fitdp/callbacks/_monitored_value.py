@@ -7,6 +7,7 @@ import math
 import warnings
 from typing import Any
 
+from fitdp.callbacks._log_format import display_names
 from fitdp.validate import check_choice, fail
 
 # Substrings of log keys where higher is better ("auto" mode); "loss"/"error" win over them.
@@ -46,10 +47,20 @@ def is_finite(value: Any) -> bool:
         return False
 
 
+def monitor_key(logs: dict[str, float], monitor: str) -> str:
+    """The log key `monitor` names: itself, or the key the progress output shows under that
+    name (`val_acc` for `val_multiclass_accuracy`), so what is on screen can be monitored."""
+    if monitor in logs:
+        return monitor
+    shown = [k for k, name in display_names(tuple(logs)).items() if name == monitor]
+    return shown[0] if len(shown) == 1 else monitor
+
+
 def monitor_value(logs: dict[str, float] | None, monitor: str, owner: str) -> float | None:
-    """`logs[monitor]` as a float, or None with a UserWarning naming the available keys."""
+    """`logs[monitor]` (or of the key shown as `monitor`) as a float, or None with a
+    UserWarning naming the available keys."""
     logs = logs or {}
-    value = logs.get(monitor)
+    value = logs.get(monitor_key(logs, monitor))
     if value is None:
         warnings.warn(f"{owner} monitors {monitor!r}, which is not in the logs. Available keys: "
                       f"{', '.join(sorted(logs)) or '(none)'}. Pass monitor= one of them (and "

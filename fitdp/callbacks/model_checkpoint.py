@@ -11,6 +11,7 @@ from typing import Any
 from fitdp.callbacks._monitored_value import (
     is_finite,
     is_improvement,
+    monitor_key,
     monitor_value,
     resolve_mode,
 )
@@ -129,7 +130,7 @@ class ModelCheckpoint(Callback):
             return
         logs = dict(logs or {})
         where = f"epoch {self._epoch + 1}" + ("" if batch is None else f", batch {batch + 1}")
-        for key in dict.fromkeys((self.monitor, "loss")):
+        for key in dict.fromkeys((monitor_key(logs, self.monitor), "loss")):
             if key in logs and not is_finite(logs[key]):
                 warnings.warn(f"ModelCheckpoint skipped the save at {where}: {key} is "
                               f"{logs[key]}; a diverged model must not replace a good "
@@ -138,7 +139,8 @@ class ModelCheckpoint(Callback):
         if self.save_best_only:
             current = monitor_value(logs, self.monitor, "ModelCheckpoint(save_best_only=True)")
         else:
-            current = float(logs[self.monitor]) if self.monitor in logs else None
+            key = monitor_key(logs, self.monitor)
+            current = float(logs[key]) if key in logs else None
         improved = current is not None and is_improvement(current, self.best, self.mode, 0.0)
         if self.save_best_only and current is not None and not improved:
             return

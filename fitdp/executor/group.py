@@ -305,7 +305,8 @@ class DataParallelExecutorGroup:
         def update(ex: Executor, d: int) -> None:
             lab = ex.labels if labels is None else take_rows(labels, self.slices[d], ex.axis)
             if ex.valid > 0:
-                metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(lab))
+                metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(lab),
+                              ex.valid_rows(ex.weights))
 
         self.workers.run([functools.partial(update, ex, d) for d, ex in enumerate(self.executors)])
 

@@ -132,7 +132,8 @@ def device_share(job: Job, d: int) -> None:
         ex.backward(job.scale)
     metric = job.metric
     if metric is not None and ex.valid > 0:
-        metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(ex.labels))
+        metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(ex.labels),
+                      ex.valid_rows(ex.weights))
     if timed:
         if ex.device.type == "cuda":
             torch.cuda.synchronize(ex.device)  # the share's device time (measuring only)

@@ -184,7 +184,8 @@ class BatchRunMixin:
         if is_train:
             ex.backward(scale)
         if metric is not None and valid > 0:
-            metric.update(0, ex.valid_rows(ex.outputs), ex.valid_rows(ex.labels))
+            metric.update(0, ex.valid_rows(ex.outputs), ex.valid_rows(ex.labels),
+                          ex.valid_rows(ex.weights))
         if optimizer is not None:
             optimizer.step()
 

@@ -20,7 +20,7 @@ from torchmetrics.regression import PearsonCorrCoef
 import fitdp
 import fitdp.metrics
 from fitdp.executor import DataParallelExecutorManager
-from fitdp.metrics import DeviceMetrics, named_metrics
+from fitdp.metrics import DeviceMetrics, metric_specs
 
 CPU = torch.device("cpu")
 
@@ -272,17 +272,17 @@ def test_unmergeable_metric_refused_at_construction(metric: Metric, why: str) ->
 
 
 @pytest.mark.parametrize("bad", [5, "accuracy", 2.5])
-def test_named_metrics_rejects_what_is_not_a_metric_collection(bad: object) -> None:
+def test_metric_specs_rejects_what_is_not_a_metric_collection(bad: object) -> None:
     """Regression (issue 10.13): metrics=5 failed with a bare "'int' object is not iterable"."""
     with pytest.raises(TypeError, match=r"metrics: got .* expected a torchmetrics.Metric, a list"):
-        named_metrics(bad)  # type: ignore[arg-type]
+        metric_specs(bad)
 
 
-def test_named_metrics_hints_keras_accuracy() -> None:
+def test_metric_specs_hints_keras_accuracy() -> None:
     """Keras' "accuracy" is the fraction of rows whose argmax equals the label: the
     micro-averaged accuracy, not torchmetrics' default macro average over classes."""
     with pytest.raises(TypeError, match=r"average='micro'"):
-        named_metrics("accuracy")  # type: ignore[arg-type]
+        metric_specs("accuracy")
     preds = torch.tensor([[1.0, 0.0]] * 3 + [[0.0, 1.0]])
     target = torch.tensor([0, 0, 0, 0])
     micro = MulticlassAccuracy(num_classes=2, average="micro")(preds, target)

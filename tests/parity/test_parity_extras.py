@@ -88,6 +88,26 @@ def test_summary_counts_keras(keras):
     assert per_layer == [layer.count_params() for layer in twin.layers]
 
 
+def test_summary_shapes_after_a_fit_or_from_input_shape_as_keras(keras):
+    """summary() showed `?` for every layer after a fit and took no input shape; now both
+    give Keras's per-layer output shapes, batch axis None."""
+    twin = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                             keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                             keras.layers.Dense(3)])
+    theirs = [str(layer.output.shape) for layer in twin.layers]
+    model = fitdp.Model(small_net())
+    shapes = [line.split("(", 2)[2].split(")")[0] for line in model.summary(
+        input_shape=(4,), print_fn=lambda text: None).splitlines()[4:8]]
+    assert [f"({s})" for s in shapes] == theirs == ["(None, 8)"] * 3 + ["(None, 3)"]
+    model.compile("sgd", "cross_entropy")
+    x, y, _ = data(16)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert model.summary(print_fn=lambda text: None) == model.summary(
+        input_shape=(4,), print_fn=lambda text: None)
+    with pytest.raises(TypeError, match="input_shape"):
+        model.summary(input_shape="4")
+
+
 # -- train_on_batch -----------------------------------------------------------------------------
 
 def test_train_on_batch_is_one_optimizer_step_on_that_batch():
