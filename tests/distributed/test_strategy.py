@@ -4,6 +4,10 @@ call attaches (before any weight changes), and the engines' gradient arithmetic 
 from __future__ import annotations
 
 import os
+import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from test_distributed import launch
 from torch import nn
 
 import fitdp
+from fitdp.executor import sharded_io
 from fitdp.executor.engines import DDP, FSDP, _blocks, engine_for
 
 CPU = torch.device("cpu")
@@ -57,9 +62,70 @@ def test_fsdp_blocks_by_class_or_by_size():
     assert _blocks(net, FSDP(min_params=1000)) == [net[1]]  # outermost large subtree only
 
 
-@pytest.mark.distributed
-def test_ddp_and_fsdp_sum_uneven_ranks_into_the_whole_batch_gradient(tmp_path):
+@pytest.fixture(scope="module")
+def sharded_job(tmp_path_factory):
+    """One 2-rank launch for every engine check (torchrun costs seconds per launch)."""
+    out = tmp_path_factory.mktemp("engines")
     worker = os.path.join(os.path.dirname(__file__), "engine_worker.py")
-    code, output, _ = launch("", tmp_path, script=[worker])
+    code, output, _ = launch("", out, script=[worker, str(out)])
     assert code == 0, output
-    assert output.count("engines ok") == 2, output
+    assert output.count("engines ok") == 2 and output.count("sharded checkpoint ok") == 2, output
+    return out
+
+
+@pytest.mark.distributed
+def test_ddp_and_fsdp_sum_uneven_ranks_into_the_whole_batch_gradient(sharded_job):
+    """(The worker asserts the gradients; this names the check.)"""
+    assert (sharded_job / "sync" / "LATEST").read_text() == "step-1"
+
+
+@pytest.mark.distributed
+def test_a_two_rank_sharded_checkpoint_loads_in_one_process(sharded_job):
+    """The folder 2 FSDP2 ranks wrote (shards of the model and of Adam's state) loads into a
+    plain module and optimizer in a process with no process group."""
+    full = torch.load(sharded_job / "full.pt", weights_only=True)
+    module = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(module.parameters(), lr=0.01)
+    module(torch.ones(1, 6)).sum().backward()
+    opt.step()
+    state = sharded_io.sharded_state(module, opt)
+    assert sharded_io.load(sharded_job / "ckpt", state) == 2
+    sharded_io.load_sharded_state(module, opt, state)
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, full[k]), k
+    assert all(s["step"] == 1 for s in opt.state.values())
+    assert sorted(p.name for p in (sharded_job / "ckpt").iterdir()) == ["LATEST", "step-2"]
+
+
+KILLED_SAVER = """
+import sys, torch
+from torch import nn
+from fitdp.executor import sharded_io
+module = nn.Linear(512, 1024)
+for step in range(1, 1000):
+    with torch.no_grad():
+        module.weight.fill_(step)
+    sharded_io.save(sys.argv[1], step, sharded_io.sharded_state(module, None))
+    print(step, flush=True)
+"""
+
+
+def test_a_sharded_save_killed_at_any_moment_leaves_the_previous_complete_one(tmp_path):
+    """SIGKILL lands while the next checkpoint is being written (2 MB per save, no pause):
+    LATEST still names a whole checkpoint, whose every value is from one step."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, str(tmp_path / "c")],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        for _ in range(3):
+            assert proc.stdout is not None and proc.stdout.readline()
+        time.sleep(random.uniform(0, 0.02))  # somewhere inside a later save
+    finally:
+        proc.kill()
+        proc.wait()
+    module = nn.Linear(512, 1024)
+    state = sharded_io.sharded_state(module, None)
+    step = sharded_io.load(tmp_path / "c", state)
+    sharded_io.load_sharded_state(module, None, state)
+    assert step >= 3
+    assert torch.equal(module.weight, torch.full_like(module.weight, step))

@@ -1,0 +1,134 @@
+"""Checkpoints of sharded models through ``torch.distributed.checkpoint`` (DCP): every rank
+writes its own shards, none gathers the whole model.
+
+A checkpoint is a folder: ``step-<n>/`` subfolders, each one DCP checkpoint, and a ``LATEST``
+file naming the newest complete one. ``LATEST`` is replaced (``os.replace``, atomic) only
+after DCP's metadata is written, which DCP does on the coordinator rank after every rank's
+shards are on disk, so a crash at any moment (SIGKILL included) leaves ``LATEST`` naming a
+whole checkpoint. Loading reshards: the same folder loads on another world size, and into
+one process (plain tensors).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+LATEST = "LATEST"
+
+
+def sharded_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """``{"module": ..., "optimizer": ...}`` keyed by parameter name, each rank's shards
+    (DTensors under FSDP2; whole tensors elsewhere); ``optimizer`` may be None."""
+    if optimizer is None:
+        model_sd, _ = get_state_dict(module, [])
+        return {"module": model_sd}
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    return {"module": model_sd, "optimizer": optim_sd}
+
+
+def load_sharded_state(module: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+    """Put ``state`` (as ``sharded_state`` gives it, filled by ``load``) back in place."""
+    set_state_dict(module, optimizer if optimizer is not None else [],
+                   model_state_dict=state["module"],
+                   optim_state_dict=state.get("optimizer", {}))
+
+
+def full_state(module: nn.Module) -> dict[str, Any]:
+    """The whole module's state on every rank's CPU (gathered from the shards): for
+    ``get_weights`` and ``export``."""
+    model_sd, _ = get_state_dict(module, [], options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+    return model_sd
+
+
+def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
+         async_save: bool = False) -> Future[None] | None:
+    """Write ``state`` as ``folder/step-<step>`` (every rank its shards), then point
+    ``LATEST`` at it. With ``async_save`` the shards are staged to CPU and written by a
+    thread (``dcp.async_save``); the returned future completes after ``LATEST`` moved.
+    """
+    root = Path(folder)
+    target = root / f"step-{step}"
+    if _coordinator():
+        root.mkdir(parents=True, exist_ok=True)
+        if target.exists():  # a crashed attempt at the same step: never named by LATEST
+            shutil.rmtree(target)
+    _barrier()
+    if not async_save:
+        with warnings.catch_warnings():  # as in load
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=str(target), no_dist=not _grouped())
+        _publish(root, target.name)
+        return None
+    pending = dcp.async_save(state, checkpoint_id=str(target), no_dist=not _grouped())
+    done: Future[None] = Future()
+
+    def finish(fut: Any) -> None:
+        try:
+            fut.result()
+            _publish(root, target.name)
+            done.set_result(None)
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits
+            done.set_exception(err)
+
+    pending.add_done_callback(finish)  # type: ignore[union-attr]
+    return done
+
+
+def load(folder: str | os.PathLike[str], state: dict[str, Any]) -> int:
+    """Fill ``state`` in place (its tensors' shapes and shardings say what each rank reads)
+    from the checkpoint ``LATEST`` names; returns its step.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint in ``folder``.
+    """
+    root = Path(folder)
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"path: no complete sharded checkpoint in {str(root)!r} (no "
+                                f"{LATEST} file); expected a folder written by fitdp "
+                                f"with strategy='fsdp'") from None
+    with warnings.catch_warnings():  # one process is the intent, not a mistake to warn of
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(root / name), no_dist=not _grouped())
+    return int(name.removeprefix("step-"))
+
+
+def _publish(root: Path, name: str) -> None:
+    """Name ``name`` as the newest complete checkpoint, then drop the older ones."""
+    if not _coordinator():
+        return
+    tmp = root / f".{LATEST}.tmp"
+    tmp.write_text(name)
+    os.replace(tmp, root / LATEST)  # atomic: LATEST is the old name or the new one
+    for old in root.glob("step-*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _grouped() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _coordinator() -> bool:
+    return not _grouped() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if _grouped():
+        dist.barrier()
