@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ from torch import nn
 
 from fitdp.batch import DataBatch, axis_of, take_rows, tree_map
 from fitdp.devices import DevicesArg, resolve_devices
+from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.executor import LossFn
 from fitdp.executor.group import DataParallelExecutorGroup
@@ -76,7 +78,9 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         distributed: bool = False,
         inputs_need_grad: bool = False,
     ) -> None:
+        checks.check_module(module)
         self.devices = resolve_devices(devices)
+        self.layout: str | None = None  # the reserved inputs' layout (see ``reserve``)
         self.inputs_need_grad = inputs_need_grad
         check_unique_names(module)
         self.logger = logger or logging.getLogger("fitdp")
@@ -140,7 +144,11 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         """Pick (or create, on first sight) the batch's bucket group and load the batch.
 
         A batch without a bucket key (e.g. validation tensors next to bucketed training data)
-        runs the default bucket, as does every batch without ``bucket_module``."""
+        runs the default bucket, as does every batch without ``bucket_module``. A batch
+        without a layout takes the one ``reserve`` was given (MXNet binds the layout)."""
+        checks.check_batch(data_batch)
+        if data_batch.layout is None and self.layout is not None:
+            data_batch = dataclasses.replace(data_batch, layout=self.layout)
         group = self._group_of(data_batch)
         group.load_data_batch(data_batch, self._slices_for(data_batch.batch_size))
 
@@ -234,6 +242,7 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         on that device) or a plain torchmetrics metric (updated with each slice in turn).
         ``labels`` defaults to the labels loaded with the batch.
         """
+        checks.check_metric(metric)
         if hasattr(metric, "clones"):
             self.curr_execgrp.update_metric(metric, labels)
             return
@@ -259,6 +268,7 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
 
     def install_monitor(self, monitor: Any) -> None:
         """Install ``monitor`` on every bucket group, present and future, and every device."""
+        checks.check_monitor(monitor)
         self.monitor = monitor
         for group in self.groups.values():
             self._install(group)
@@ -266,17 +276,10 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
     def set_params(
         self, arg_params: Mapping[str, torch.Tensor], aux_params: Mapping[str, torch.Tensor]
     ) -> None:
-        """Copy host parameters and buffers (by name) into every device's replica."""
-        blocks: tuple[_Named, _Named] = (
-            (self.param_names, self.param_arrays, arg_params),
-            (self.aux_names, self.aux_arrays, aux_params),
-        )
+        """Copy host parameters and buffers (by name) into every device's replica; every
+        name and shape is checked before anything is copied."""
+        blocks = self._blocks("set_params", arg_params, aux_params)
         for names, arrays, src in blocks:
-            unknown = sorted(set(src) - set(names))
-            if unknown:
-                raise ValueError(
-                    f"set_params: unknown names {unknown}; the module has {sorted(names)}"
-                )
             for name, block in zip(names, arrays):
                 if name in src:
                     value = src[name]
@@ -289,11 +292,7 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
     ) -> None:
         """Average every parameter and buffer over devices into the caller's tensors, in place
         (cast to each target's dtype); replicas that agree give their values bit for bit."""
-        blocks: tuple[_Named, _Named] = (
-            (self.param_names, self.param_arrays, arg_params),
-            (self.aux_names, self.aux_arrays, aux_params),
-        )
-        for names, arrays, dst in blocks:
+        for names, arrays, dst in self._blocks("copy_to", arg_params, aux_params):
             for name, block in zip(names, arrays):
                 if name in dst:
                     average_into(dst[name], block)
@@ -329,8 +328,10 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
 
     def reserve(self, descs: Sequence[Any]) -> None:
         """Allocate input buffers for a full batch of ``descs`` (``DataDesc``) up front, so
-        smaller buckets take views of them instead of re-allocating."""
+        smaller buckets take views of them instead of re-allocating. A layout that is not
+        batch-first (``"TNC"``) becomes that of every batch loaded without one."""
         self._reserved = list(descs)  # made again when the work loads change
+        self.layout = next((d.layout for d in descs if d.batch_axis), None)
         for desc in descs:
             axis = desc.batch_axis if len(desc.shape) > desc.batch_axis else 0
             for ex, s in zip(self.execgrp.executors, self._slices_for(desc.shape[axis])):
@@ -344,6 +345,16 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         self.workers.close()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _blocks(self, method: str, arg_params: Any, aux_params: Any) -> tuple[_Named, _Named]:
+        """Parameters and buffers with the caller's tensors, each name and shape checked."""
+        blocks: tuple[_Named, _Named] = (
+            (self.param_names, self.param_arrays, arg_params),
+            (self.aux_names, self.aux_arrays, aux_params),
+        )
+        for (names, arrays, given), arg in zip(blocks, ("arg_params", "aux_params")):
+            checks.check_named(method, arg, given, names, arrays)
+        return blocks
 
     def _group(self, modules: list[nn.Module], key: Hashable) -> DataParallelExecutorGroup:
         group = DataParallelExecutorGroup(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from fitdp.executor.checks import check_split
+
 
 def check_work_load_list(work_load_list: Sequence[float] | None, num_devices: int) -> list[float]:
     """Validate a work load list (one positive entry per device); None means equal loads."""
@@ -60,12 +62,16 @@ def split_input_slice(batch_size: int, work_load_list: Sequence[float]) -> list[
         One slice per device, in order, covering ``range(batch_size)``.
 
     Raises:
-        ValueError: ``Too many slices. Some splits are empty.`` when a slice would be empty.
+        TypeError: ``batch_size`` is not an int, or ``work_load_list`` not a list of numbers.
+        ValueError: ``batch_size`` < 1, an empty list, an entry that is not positive and
+            finite; ``Too many slices. Some splits are empty.`` when a slice would be empty.
 
     Example:
         >>> split_input_slice(10, [1, 1, 3])
         [slice(0, 2, None), slice(2, 4, None), slice(4, 10, None)]
     """
+    check_split(batch_size, work_load_list)
+    check_work_load_list(work_load_list, len(work_load_list))
     total = float(sum(work_load_list))
     shares = [w * batch_size / total for w in work_load_list]
     counts = [int(s) for s in shares]
