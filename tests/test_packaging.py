@@ -85,3 +85,14 @@ def test_the_detector_sees_a_missing_package():
     source = ("import numpy\nfrom some_package_nobody_installs.sub import thing\n"
               "try:\n    import optional_peer\nexcept ImportError:\n    pass\n")
     assert _imported_modules(source) == {"numpy", "some_package_nobody_installs"}
+
+
+def test_install_docs_say_which_torch_build_the_pin_takes():
+    """Regression: README said torch==2.13.0 is pinned "so that pip takes the CPU build"; from
+    PyPI the pin pulls the CUDA build and its nvidia packages. The docs say so and give the
+    CPU index."""
+    for page in (ROOT / "README.md", ROOT / "docs" / "index.md"):
+        text = " ".join(page.read_text().split())
+        assert "takes the CPU build" not in text and "# the CPU build" not in text, page
+        assert "CUDA build" in text and "nvidia-*" in text, page
+        assert "--index-url https://download.pytorch.org/whl/cpu" in text, page
