@@ -18,6 +18,7 @@ import gc
 import logging
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -163,7 +164,16 @@ class Ranks:
             return
         _failed = True
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        print(f"fitdp: rank {self.rank} (local {self.local_rank}) failed:\n{text}",
+        why = ""
+        if _in_collective(err):
+            # Most likely a peer failed first and this collective failed because it left.
+            # torchrun names the failure with the earliest timestamp (whole seconds; a tie
+            # goes to the rank it noticed first), so this rank waits: the launcher sees the
+            # raising rank exit first, and this rank's error is stamped later. Costs
+            # PEER_GRACE seconds, only on a job that is failing anyway.
+            time.sleep(PEER_GRACE)
+            why = " in a collective (a peer probably failed first: see its error)"
+        print(f"fitdp: rank {self.rank} (local {self.local_rank}) failed{why}:\n{text}",
               file=sys.stderr, flush=True)
         if os.environ.get("TORCHELASTIC_ERROR_FILE") and isinstance(err, Exception):
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
@@ -172,6 +182,21 @@ class Ranks:
 
 
 _failed = False
+PEER_GRACE = 2.0  # seconds; over 1 s, so a later whole-second timestamp than the raiser's
+_DIST_DIR = os.path.dirname(dist.__file__)
+
+
+def _in_collective(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) came out of a torch.distributed call:
+    a peer that left or stalled, rather than this rank's own failure."""
+    seen: BaseException | None = err
+    while seen is not None:
+        frames = traceback.extract_tb(seen.__traceback__)
+        if isinstance(seen, dist.DistError) or (frames and frames[-1].filename.startswith(
+                _DIST_DIR)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _leave() -> None:

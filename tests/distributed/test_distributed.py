@@ -108,6 +108,27 @@ def test_a_failing_rank_stops_every_rank(tmp_path, fault):
         assert "worker.py" in output  # torchrun names the failed script and rank
 
 
+def _root_cause_rank(output: str) -> str:
+    """The ``rank`` line of torchrun's "Root Cause" section."""
+    section = output.split("Root Cause", 1)[1]
+    return next(ln.split(":", 1)[1].split()[0] for ln in section.splitlines()
+                if ln.strip().startswith("rank"))
+
+
+@pytest.mark.parametrize("scenario", ["raise", "raise_slow_exit"])
+def test_root_cause_names_the_rank_that_raised(tmp_path, scenario):
+    """Regression: torchrun's "Root Cause" named the peer (gloo's "Connection closed by peer")
+    in 1 of 3 runs: the peer's failure carried the same whole-second timestamp and torchrun
+    saw it first. Run several times: the raising rank (1) is named every time."""
+    for attempt in range(2):
+        out = tmp_path / f"{scenario}{attempt}"
+        out.mkdir()
+        code, output, seconds = launch(scenario, out, limit=60)
+        assert code != 0 and seconds < 45, f"took {seconds:.0f} s"
+        assert _root_cause_rank(output) == "1", output[-3000:]
+        assert "injected failure on rank 1" in output.split("Root Cause", 1)[1]
+
+
 def test_ranks_with_different_data_fail_before_the_first_step(tmp_path):
     """Regression: ranks with different amounts of data died with a gloo SIGABRT ("Received
     data size doesn't match") and a rank that finished early was not named."""

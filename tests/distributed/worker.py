@@ -6,6 +6,7 @@ Usage: torchrun ... worker.py SCENARIO OUT_DIR
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -78,6 +79,13 @@ elif SCENARIO == "metrics":
 elif SCENARIO in ("raise", "kill", "stall"):
     m = model()
     m.fit(x, y, batch_size=5, epochs=3, verbose=0, timeout=8, callbacks=[Fault(SCENARIO)])
+elif SCENARIO == "raise_slow_exit":
+    # Rank 1 raises, leaves the process group, and is slow to exit (a big interpreter's
+    # teardown): its peer's collective fails while rank 1 is still running.
+    if RANK == 1:
+        atexit.register(time.sleep, 1.5)  # runs after fitdp's own exit handler
+    m = model()
+    m.fit(x, y, batch_size=5, epochs=3, verbose=0, timeout=8, callbacks=[Fault("raise")])
 elif SCENARIO in ("restart", "uninterrupted"):
     m = model()
     cbs = [BackupAndRestore(os.path.join(OUT, "backup"), save_freq=1)]
