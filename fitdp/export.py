@@ -42,7 +42,8 @@ class InputSpec(NamedTuple):
 
 
 def export_module(
-    module: torch.nn.Module, path: str | os.PathLike[str], example_inputs: Inputs
+    module: torch.nn.Module, path: str | os.PathLike[str], example_inputs: Inputs, *,
+    autocast_dtype: torch.dtype | None = None,
 ) -> None:
     """Write an eval-mode CPU copy of ``module`` to one ``.pt2`` file with a dynamic batch dim.
 
@@ -54,6 +55,8 @@ def export_module(
             the writer checkpoints use (``fitdp.atomic``).
         example_inputs: a tensor, a tuple/list of tensors (``module(*x)``) or a dict of
             tensors (``module(**x)``); dim 0 of each is the batch, of any size >= 1.
+        autocast_dtype: run forward under CPU ``torch.autocast`` with this dtype, as mixed
+            precision training does (``torch.bfloat16`` for ``"bf16-mixed"``); None: fp32.
 
     Raises:
         TypeError: ``example_inputs`` is not one of the forms above, or ``path`` not a path.
@@ -74,6 +77,10 @@ def export_module(
     args, kwargs = tuple(map(_for_export, args)), {k: _for_export(t) for k, t in kwargs.items()}
     # Costs one extra copy of the weights (briefly on the module's device) during the export.
     net = copy.deepcopy(module).to("cpu").eval()
+    if autocast_dtype is not None:
+        # The wrapped forward keeps its signature (torch.export binds inputs by it), and the
+        # program records the autocast region: the file casts as training did.
+        net.forward = torch.autocast("cpu", dtype=autocast_dtype)(net.forward)  # type: ignore[method-assign]
     # One eager forward (cheap next to tracing) tells a wrong example from an untraceable net.
     try:
         with torch.no_grad():

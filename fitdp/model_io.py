@@ -21,7 +21,8 @@ from fitdp.persist import (
     warn_skipped,
 )
 from fitdp.plans import FitPlan
-from fitdp.validate import check_path
+from fitdp.trainer import PRECISIONS
+from fitdp.validate import check_choice, check_path
 from fitdp.weights_io import load_weights_file, save_weights_file
 
 if TYPE_CHECKING:
@@ -227,8 +228,15 @@ class ModelIO:
         return [k for k, t in self.module.state_dict().items()
                 if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
-    def export(self, path: str | os.PathLike[str], example_inputs: Any) -> None:
+    def export(self, path: str | os.PathLike[str], example_inputs: Any, *,
+               precision: str = "32") -> None:
         """Write a single-device predictor (``torch.export``, dynamic batch) of the averaged
-        weights in eval mode; load it with ``fitdp.load_predictor(path)``."""
+        weights in eval mode; load it with ``fitdp.load_predictor(path)``. ``precision``:
+        ``"32"`` (fp32, the default, whatever the training precision) or the mixed precision
+        the model trained with (``"bf16-mixed"``, ``"16-mixed"``: forward under autocast, as
+        ``predict`` runs it)."""
+        check_choice("precision", precision, tuple(PRECISIONS),
+                     "pass the precision given to compile, e.g. precision='bf16-mixed'")
         self._sync_host()
-        export_module(self.module, path, example_inputs)
+        export_module(self.module, path, example_inputs,
+                      autocast_dtype=PRECISIONS[precision])
