@@ -89,10 +89,12 @@ def learnable(rows: int, width: int, classes: int, seed: int = 0
 
 
 def new_model(sizes: list[int], device: str = "cpu", **compile_args: Any) -> fitdp.Model:
-    """A seeded MLP on ``device``, compiled with Adam and cross entropy."""
+    """A seeded MLP on ``device``, compiled with cross entropy and (unless ``compile_args``
+    says otherwise) Adam."""
     torch.manual_seed(0)
     model = fitdp.Model(mlp(sizes).to(device))
-    model.compile(optimizer="adam", lr=1e-3, loss="cross_entropy", **compile_args)
+    model.compile(**{"optimizer": "adam", "lr": 1e-3, "loss": "cross_entropy",
+                     **compile_args})
     return model
 
 
@@ -183,28 +185,49 @@ class SyncCounter(Callback):
         return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+def plain_adam(params: Any) -> torch.optim.Optimizer:
+    """A user's own Adam (not fused): GradScaler.step reads its found-inf flag on the host."""
+    return torch.optim.Adam(params, lr=1e-3)
+
+
 def syncs(ctx: Ctx, res: Result) -> None:
-    """Host syncs per step between log points, for the everyday variants; target 0 (16-mixed:
-    torch's GradScaler.step reads its found-inf flag on the host, one per step)."""
+    """Host syncs per step between log points, for the everyday variants; target 0. Measured
+    too, with no target: what costs a sync by torch's or torchmetrics' design (a metric with
+    its default arguments; 16-mixed with an unfused optimizer) and work_load_list="auto"."""
     d = ctx.device
     sizes, bs, steps, log_every = ([784, 512, 512, 10], 256, 60, 20) if ctx.cuda else \
         ([16, 32, 4], 8, 12, 4)
     from torchmetrics.classification import MulticlassAccuracy  # noqa: PLC0415
 
-    accuracy = MulticlassAccuracy(sizes[-1], average="micro", validate_args=False)
-    # label, devices, data on the device, compile arguments, target syncs per step
-    variants: list[tuple[str, list[str], bool, dict[str, Any], int]] = [
-        ("1 device, data on the device", [d], True, {}, 0),
-        ("1 device, data on the host", [d], False, {}, 0),
-        ("2 replicas on one device", [d, d], True, {}, 0),
-        ("bf16-mixed", [d], True, {"precision": "bf16-mixed"}, 0),
-        ("a metric (micro accuracy)", [d], True, {"metrics": [accuracy]}, 0),
+    classes = sizes[-1]
+    micro = MulticlassAccuracy(classes, average="micro", validate_args=False)
+    # label, devices, data on the device, compile and fit arguments, target syncs per step
+    # (None: measured, no target)
+    variants: list[tuple[str, list[str], bool, dict[str, Any], dict[str, Any], int | None]] = [
+        ("1 device, data on the device", [d], True, {}, {}, 0),
+        ("1 device, data on the host", [d], False, {}, {}, 0),
+        ("2 replicas on one device", [d, d], True, {}, {}, 0),
+        ("bf16-mixed", [d], True, {"precision": "bf16-mixed"}, {}, 0),
+        ("a metric (micro accuracy, validate_args=False)", [d], True,
+         {"metrics": [micro]}, {}, 0),
+        # What users write: MulticlassAccuracy(n) checks its arguments on the host and
+        # averages per class (macro).
+        ("a metric with its defaults (MulticlassAccuracy(n))", [d], True,
+         {"metrics": [MulticlassAccuracy(classes)]}, {}, None),
+        ("work_load_list='auto', 2 replicas", [d, d], True, {}, {"work_load_list": "auto"},
+         None),
     ]
     if ctx.cuda:
-        variants.append(("16-mixed", [d], True, {"precision": "16-mixed"}, 1))
-    for label, devices, on_device, compile_args, target in variants:
+        variants += [
+            ("16-mixed + fused Adam (optimizer='adam')", [d], True,
+             {"precision": "16-mixed"}, {}, 0),
+            ("16-mixed + a user's unfused Adam", [d], True,
+             {"precision": "16-mixed", "optimizer": plain_adam}, {}, None),
+        ]
+    for label, devices, on_device, compile_args, fit_args, target in variants:
         def one(label: str = label, devices: list[str] = devices, on_device: bool = on_device,
-                compile_args: dict[str, Any] = compile_args, target: int = target) -> None:
+                compile_args: dict[str, Any] = compile_args, fit_args: dict[str, Any] = fit_args,
+                target: int | None = target) -> None:
             x, y = learnable(bs * steps, sizes[0], sizes[-1])
             if on_device:
                 x, y = x.to(d), y.to(d)
@@ -212,7 +235,7 @@ def syncs(ctx: Ctx, res: Result) -> None:
             counter = SyncCounter(log_every)
             try:
                 model.fit(x, y, batch_size=bs, devices=devices, log_every=log_every,
-                          callbacks=[counter], verbose=0)
+                          callbacks=[counter], verbose=0, **fit_args)
             finally:
                 counter.close()
             per_step = len(counter.syncs) / max(counter.windows, 1)
@@ -223,8 +246,9 @@ def syncs(ctx: Ctx, res: Result) -> None:
                 value += " at " + Path(next(iter(counter.where()))).name
             if not ctx.cuda:
                 value = f"n/a on the CPU ({counter.windows} steps watched)"
-            res.row(f"host syncs / step, {label}", value, f"<= {target}",
-                    per_step <= target if ctx.cuda else None)
+            res.row(f"host syncs / step, {label}", value,
+                    "(measured)" if target is None else f"<= {target}",
+                    per_step <= target if ctx.cuda and target is not None else None)
 
         res.attempt(f"syncs, {label}", one)
 
@@ -233,8 +257,9 @@ def syncs(ctx: Ctx, res: Result) -> None:
 
 
 def replicas(ctx: Ctx, res: Result) -> None:
-    """devices=[d, d] (flat-bucket reduce, one stream per replica) against [d]: the same
-    weights after an epoch (allclose), and time per step."""
+    """devices=[d, d] (flat-bucket reduce; both replicas on the device's current stream)
+    against [d]: the same weights after an epoch (allclose), time per step, and host time
+    per step against step time (whether per-replica streams could pay)."""
     d = ctx.device
     sizes, bs, steps = ([784, 1024, 1024, 10], 512, 50) if ctx.cuda else ([16, 32, 4], 8, 6)
     x, y = learnable(bs * steps, sizes[0], sizes[-1])
@@ -265,8 +290,54 @@ def replicas(ctx: Ctx, res: Result) -> None:
         res.row("2 replicas on one device: speed / 1 replica", f"{float(got['ratio']):.3f}",
                 "(informative)")
 
+    def host_share() -> None:
+        for devices in ([d], [d, d]):
+            host, step = host_and_step_ms(ctx, [128, 256, 256, 10], 64, 60 if ctx.cuda else 6,
+                                          devices)
+            label = f"{len(devices)} replica{'s' * (len(devices) > 1)} on one device"
+            res.numbers[f"host time, {label}"] = {"host_ms": host, "step_ms": step}
+            res.row(f"host / step time, {label} (small MLP)",
+                    f"{host:.3f} / {step:.3f} ms = {host / step:.2f}", "(informative)")
+
     res.attempt("replicas agree", agree)
     res.attempt("replicas timing", timing)
+    res.attempt("replicas host time", host_share)
+
+
+class HostClock(Callback):
+    """Host seconds from each batch's begin hook to its end hook, log points left out: what
+    the host spends queueing a step (nothing waits for the GPU between log points)."""
+
+    def __init__(self, log_every: int) -> None:
+        super().__init__()
+        self.log_every, self._start = log_every, 0.0
+        self.seconds: list[float] = []
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, float] | None = None) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
+        if batch and (batch + 1) % self.log_every:
+            self.seconds.append(time.perf_counter() - self._start)
+
+
+def host_and_step_ms(ctx: Ctx, sizes: list[int], bs: int, steps: int, devices: list[str]
+                     ) -> tuple[float, float]:
+    """(host ms per step, wall ms per step) of one epoch after a warm-up epoch. Host time
+    near step time: the GPU waits for the host, and streams of their own per replica could
+    not make two replicas on one GPU faster; far below it: the GPU is the limit, and they
+    could only where each replica's kernels leave the GPU partly idle."""
+    x, y = learnable(bs * steps, sizes[0], sizes[-1])
+    x, y = x.to(ctx.device), y.to(ctx.device)
+    model = new_model(sizes, ctx.device)
+    model.fit(x, y, batch_size=bs, devices=devices, verbose=0)  # warm-up: allocations
+    clock = HostClock(log_every=50)
+    ctx.sync()
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=bs, devices=devices, log_every=50, callbacks=[clock], verbose=0)
+    ctx.sync()
+    wall = (time.perf_counter() - start) / steps
+    return statistics.median(clock.seconds) * 1e3, wall * 1e3
 
 
 # -- precision: bf16-mixed and 16-mixed ------------------------------------------------------

@@ -9,6 +9,37 @@ from dataclasses import dataclass, field
 
 from summary import Ratio, Table, ratio_table
 
+# What the first run on a GPU must show (issue 21): no CUDA path of fitdp had run when this
+# was written. Kept on the generated page so it survives every regeneration.
+GPU_CHECKLIST = [
+    "## First GPU run: checklist",
+    "",
+    "No CUDA path has run on a GPU yet; these were written against PyTorch 2.13's documented "
+    "semantics. The first GPU run is `python -m bench --gpu --json gpu.json` (at most 430 s "
+    "of parts, under 8 minutes in all on one GPU, a cold compile included); it covers every "
+    "line below. Put its table in the closing note.",
+    "",
+    "1. **Machine**: the torch and Triton versions (`python -c \"import torch, triton; "
+    "print(torch.__version__, torch.version.cuda, triton.__version__)\"`) and a C compiler "
+    "for Triton's launcher (`cc --version`, or `CC` set): without one `compile=True` fails "
+    "at its first kernel.",
+    "2. **The tier** (`tier`): `pytest -m requires_cuda tests/` passes; the two-replica "
+    "tests (`-k 2replicas`) run five times each (`repeat`: four more) and pass every time.",
+    "3. **Weights on the host**: `get_weights()` right after a `torch.cuda._sleep` equals "
+    "the replicas' weights (`tests/cuda/test_cuda_gpu_ready.py::"
+    "test_get_weights_right_after_a_sleep_equals_the_replicas_weights`).",
+    "4. **Compile** (`compile`): `compile=True` and `compile=\"reduce-overhead\"` on "
+    "`[\"cuda:0\"]` and `[\"cuda:0\", \"cuda:0\"]`: the mode torch.compile got, graphs "
+    "per bucket shape, recompiles after the first epoch (target 0), inductor's CUDA-graph "
+    "counters.",
+    "5. **Host syncs per step** between log points (`syncs`): with a metric's default "
+    "arguments (`MulticlassAccuracy(n)`), with `work_load_list=\"auto\"`, with "
+    "`\"16-mixed\"` + fused Adam (target 0) and with a user's unfused Adam (one).",
+    "6. **Streams** (`replicas`): host time per step against step time, for 1 and 2 "
+    "replicas on one GPU: whether per-replica streams could pay.",
+    "",
+]
+
 
 @dataclass
 class Section:
@@ -79,4 +110,5 @@ def page(command: str, when: str, machine: list[tuple[str, str]], ratios: list[R
             out += ["Targets:", "", ratio_table(s.ratios, with_bench=False).markdown(), ""]
         if s.details:
             out += ["All numbers:", "", s.details.markdown(), ""]
+    out += GPU_CHECKLIST
     return "\n".join(out).rstrip() + "\n"

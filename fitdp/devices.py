@@ -88,3 +88,15 @@ def resolve_devices(devices: DevicesArg = "auto") -> list[torch.device]:
             "or devices='auto'."
         )
     return [_one(d, devices) for d in devices]
+
+
+def pin_host_batches(devices: Sequence[torch.device]) -> bool:
+    """Whether host batches should be in pinned memory: they go to CUDA devices, and a
+    ``non_blocking`` copy from pageable memory is staged by the driver (which may serialize
+    it with the GPU's work), while one from pinned memory is a true asynchronous DMA.
+
+    Example:
+        >>> pin_host_batches([torch.device("cpu")])
+        False
+    """
+    return all(d.type == "cuda" for d in devices)

@@ -74,6 +74,13 @@ class Ranks:
             raise ValueError(f"timeout: got {timeout}; expected a positive number of seconds")
         if not self.enabled:
             return
+        cuda = all(d.type == "cuda" for d in devices)
+        if cuda:
+            # Also for a group the user initialized: NCCL's object collectives (check_even,
+            # gather_rows) run on the current device, which is cuda:0 on every rank until
+            # set. devices[0] is cuda:LOCAL_RANK under devices="auto", and the device fitdp's
+            # own collectives use (broadcast_module).
+            torch.cuda.set_device(devices[0])
         if dist.is_initialized():
             if dist.get_world_size() != self.world_size:
                 raise ValueError(
@@ -81,9 +88,6 @@ class Ranks:
                     f"{dist.get_world_size()} ranks; launch with torchrun and let fitdp join"
                 )
             return
-        cuda = all(d.type == "cuda" for d in devices)
-        if cuda:
-            torch.cuda.set_device(devices[0])
         backend = "nccl" if cuda else "gloo"
         limit = datetime.timedelta(seconds=timeout)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

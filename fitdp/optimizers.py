@@ -19,6 +19,9 @@ OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], float]] = {
     "adamw": (torch.optim.AdamW, 1e-3),
     "rmsprop": (torch.optim.RMSprop, 1e-3),
 }
+# The names torch has a fused CUDA kernel for. A fused optimizer takes GradScaler's found-inf
+# flag into its kernel; any other makes GradScaler.step read it on the host (one sync a step).
+FUSED = frozenset({"sgd", "adam", "adamw"})
 
 OptimizerArg = (
     str
@@ -31,10 +34,12 @@ _EXPECTED = ("a name such as 'adam', an optimizer class, a callable(params) -> O
              "an Optimizer instance built on model.module.parameters()")
 
 
-def build_optimizer(optimizer: OptimizerArg, module: nn.Module, lr: float | None
-                    ) -> torch.optim.Optimizer:
+def build_optimizer(optimizer: OptimizerArg, module: nn.Module, lr: float | None, *,
+                    fused: bool = False) -> torch.optim.Optimizer:
     """The optimizer over every parameter of ``module`` (frozen ones too: torch skips a
     parameter without a gradient, and one unfrozen later is then stepped as it should be).
+    ``fused``: a name in ``FUSED`` builds torch's fused (CUDA) variant (what ``16-mixed``
+    asks for, see above); other names and the user's own optimizers are left as given.
 
     Raises:
         ValueError: an unknown name, or an Optimizer holding parameters of another module.
@@ -58,7 +63,8 @@ def build_optimizer(optimizer: OptimizerArg, module: nn.Module, lr: float | None
         if optimizer.lower() not in OPTIMIZERS:
             fail("optimizer", optimizer, f"one of {sorted(OPTIMIZERS)}, or {_EXPECTED}")
         cls, default_lr = OPTIMIZERS[optimizer.lower()]
-        return cls(params, lr=default_lr if lr is None else lr)
+        extra = {"fused": True} if fused and optimizer.lower() in FUSED else {}
+        return cls(params, lr=default_lr if lr is None else lr, **extra)
     if not callable(optimizer):
         fail("optimizer", optimizer, _EXPECTED, error=TypeError)
     if isinstance(optimizer, type):

@@ -13,7 +13,7 @@ import torch
 
 from fitdp.batch import DataBatch
 from fitdp.callbacks import Callback, CallbackList
-from fitdp.devices import DevicesArg, resolve_devices
+from fitdp.devices import DevicesArg, pin_host_batches, resolve_devices
 from fitdp.distributed import DEFAULT_TIMEOUT, Ranks
 from fitdp.executor.slicing import check_work_load_arg
 from fitdp.monitor import Monitor
@@ -111,15 +111,16 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
     placement, auto = _place(model, devices, work_load_list, batch_size)
     ranks = placement.ranks
     train = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                        class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size)
+                        class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size,
+                        pin_memory=pin_host_batches(placement.devices))
     num = train.num_batches
     if steps is None and epochs - initial_epoch > 1 and num is None and _one_shot(x):
         fail("x", f"a one-shot iterator ({type(x).__name__})", f"data that can be iterated "
              f"{epochs - initial_epoch} times, or steps_per_epoch", "pass steps_per_epoch= "
              "(an endless generator trains as long as asked), a list, a DataLoader or a "
              "re-iterable object", described=True)
-    val = None if validation_data is None else _validation_source(validation_data, val_batch,
-                                                                  seed, ranks)
+    val = None if validation_data is None else _validation_source(
+        validation_data, val_batch, seed, ranks, pin_host_batches(placement.devices))
     amounts = [("x", _amounts(train))]
     if val is not None:
         amounts.append(("validation_data", _amounts(val)))
@@ -144,7 +145,8 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
     placement, auto = _place(model, devices, work_load_list, None)
     ranks = placement.ranks
     source = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=False, seed=0,
-                         has_labels=has_labels, rank=ranks.rank, world_size=ranks.world_size)
+                         has_labels=has_labels, rank=ranks.rank, world_size=ranks.world_size,
+                         pin_memory=pin_host_batches(placement.devices))
     cbs = _callbacks(model, callbacks, verbose, steps=steps or source.num_batches,
                      batch_size=batch_size)
     return CallPlan(source=source, callbacks=cbs, placement=_bucketed(placement, source),
@@ -232,12 +234,14 @@ def _split(x: Any, y: Any, w: Any, fraction: Any) -> tuple[list[Any], list[Any],
     return [train[0], val[0]], [train[1], val[1]], [train[2], val[2]]
 
 
-def _validation_source(data: Any, batch_size: int, seed: int, ranks: Ranks) -> DataSource:
+def _validation_source(data: Any, batch_size: int, seed: int, ranks: Ranks,
+                       pin_memory: bool) -> DataSource:
     x, y, w = data, None, None
     if isinstance(data, tuple) and len(data) in (2, 3):
         x, y, w = (*data, None) if len(data) == 2 else data
     return make_source(x, y, w, batch_size=batch_size, shuffle=False, seed=seed,
-                       rank=ranks.rank, world_size=ranks.world_size, name="validation_data")
+                       rank=ranks.rank, world_size=ranks.world_size, name="validation_data",
+                       pin_memory=pin_memory)
 
 
 def _one_shot(x: Any) -> bool:

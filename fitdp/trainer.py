@@ -98,7 +98,9 @@ class Trainer:
         objective = Objective(config.loss, config.loss_weights)
         metrics = metric_specs(config.metrics, config.weighted_metrics,
                                objective.binary_outputs())
-        optimizer = build_optimizer(config.optimizer, module, lr)
+        # 16-mixed runs on CUDA only: a fused optimizer there spares GradScaler a sync a step.
+        optimizer = build_optimizer(config.optimizer, module, lr,
+                                    fused=config.precision == "16-mixed")
         scheduler, interval = build_scheduler(config.lr_scheduler, optimizer)
         return cls(config, objective, optimizer, scheduler, interval, metrics)
 

@@ -55,3 +55,16 @@ def test_run_all_quick_writes_page_and_charts(tmp_path: Path) -> None:
     assert charts, page
     for chart in charts:  # every chart is on the page, by a relative link
         assert f"](img/{chart.name})" in page
+
+
+def test_the_benchmarks_page_ends_with_the_first_gpu_runs_checklist():
+    """docs/benchmarks.md is generated: the checklist lives in bench/report.py, so a
+    regenerated page keeps it, and the page in docs/ holds it as generated."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import report  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    checklist = "\n".join(report.GPU_CHECKLIST).rstrip() + "\n"
+    assert report.page("x", "now", [], [], [], quick=False).endswith(checklist)
+    assert (ROOT / "docs" / "benchmarks.md").read_text().endswith(checklist)

@@ -194,7 +194,9 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
     def _global_rows(self, local: int) -> int | torch.Tensor:
         """This step's rows summed over ranks (ranks' batches may differ in size)."""
         on_cpu = self.devices[0].type == "cpu"
-        total = torch.tensor([float(local)], device="cpu" if on_cpu else self.devices[0])
+        # torch.full fills on the device from a kernel argument; torch.tensor([local],
+        # device=...) would build it on the host and copy it over, blocking, every step.
+        total = torch.full((1,), float(local), device=self.devices[0])
         dist.all_reduce(total)
         # On CUDA the weight stays a device tensor: no host sync per step.
         return int(total.item()) if on_cpu else total

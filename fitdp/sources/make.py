@@ -31,6 +31,7 @@ def make_source(
     rank: int = 0,
     world_size: int = 1,
     name: str = "x",
+    pin_memory: bool = False,
 ) -> DataSource:
     """Turn what a user passed to fit/evaluate/predict into a data source (this rank's share
     of it under torch.distributed).
@@ -46,6 +47,9 @@ def make_source(
         class_weight: ``{class index: weight}`` (Keras): each sample weighs its class's weight.
         rank, world_size: this process's place in a torch.distributed job.
         name: what to call ``x`` in messages (``validation_data`` for validation).
+        pin_memory: host batches go to CUDA devices: shuffled in-memory epochs are gathered
+            into pinned memory, and the ``DataLoader`` made for a ``Dataset`` pins its
+            batches (a ``DataLoader`` the user passes is left as it is).
 
     Raises:
         ValueError: empty data, lengths that differ, targets given twice.
@@ -54,10 +58,11 @@ def make_source(
     if x is None:
         fail(name, None, "tensors, a Dataset, a DataLoader or an iterable of batches",
              error=ValueError)
-    source = _batch_source(x, y, sample_weight, batch_size, shuffle, seed, has_labels, name)
+    source = _batch_source(x, y, sample_weight, batch_size, shuffle, seed, has_labels, name,
+                           pin_memory)
     if source is None:
         return _tensor_source(x, y, sample_weight, batch_size, shuffle, seed, has_labels,
-                              class_weight, rank, world_size, name)
+                              class_weight, rank, world_size, name, pin_memory)
     if class_weight is not None:
         source = ClassWeighted(source, class_weight)
     return source if world_size == 1 else ShardedSource(source, rank, world_size)
@@ -70,7 +75,7 @@ def is_source(obj: Any) -> bool:
 
 
 def _batch_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: int,
-                  has_labels: bool, name: str) -> DataSource | None:
+                  has_labels: bool, name: str, pin_memory: bool) -> DataSource | None:
     """A source for data that comes in batches (or a Dataset); None for in-memory tensors."""
     if not (is_source(x) or isinstance(x, (DataLoader, Dataset)) or _is_batch_iterable(x)):
         return None
@@ -86,8 +91,8 @@ def _batch_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: 
         if n == 0:
             fail(name, "an empty Dataset", "at least one sample", described=True)
         sampler = EpochSampler(n or 0, seed=seed, shuffle=shuffle)
-        return LoaderSource(DataLoader(x, batch_size=batch_size, sampler=sampler),
-                            has_labels=has_labels)
+        return LoaderSource(DataLoader(x, batch_size=batch_size, sampler=sampler,
+                                       pin_memory=pin_memory), has_labels=has_labels)
     if _maybe_len(x) == 0:
         fail(name, f"an empty {type(x).__name__}", "at least one batch", described=True)
     return LoaderSource(x, has_labels=has_labels)
@@ -95,7 +100,7 @@ def _batch_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: 
 
 def _tensor_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: int,
                    has_labels: bool, class_weight: Mapping[int, float] | None, rank: int,
-                   world_size: int, name: str) -> TensorSource:
+                   world_size: int, name: str, pin_memory: bool) -> TensorSource:
     if has_labels and y is None and isinstance(x, tuple) and len(x) in (2, 3):  # (x, y[, w])
         x, y, w = (*x, w) if len(x) == 2 else x
     x = as_tensors(x, name)
@@ -116,7 +121,7 @@ def _tensor_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed:
         cw = class_weights(class_weight, y)
         w = cw if w is None else w * cw
     return TensorSource(x, y, batch_size, sample_weight=w, shuffle=shuffle, seed=seed,
-                        rank=rank, world_size=world_size)
+                        rank=rank, world_size=world_size, pin_memory=pin_memory)
 
 
 def class_weights(class_weight: Mapping[int, float], y: Any) -> torch.Tensor:

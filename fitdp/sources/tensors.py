@@ -31,6 +31,8 @@ class TensorSource:
         shuffle: a new order every epoch.
         seed: seed of the orders (with the epoch).
         rank, world_size: this process's place in a torch.distributed job.
+        pin_memory: gather each shuffled epoch into pinned host memory (for CUDA devices:
+            their ``non_blocking`` input copies are then asynchronous).
 
     Example:
         >>> src = TensorSource(torch.arange(5.0), None, batch_size=2, shuffle=False)
@@ -41,8 +43,10 @@ class TensorSource:
     def __init__(
         self, x: Any, y: Any, batch_size: int, *, sample_weight: torch.Tensor | None = None,
         shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
+        pin_memory: bool = False,
     ) -> None:
         self.x, self.y, self.w = x, y, sample_weight
+        self.pin_memory = pin_memory
         self.num_samples = batch_length(x)
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -72,7 +76,7 @@ class TensorSource:
             # One gather per epoch, then every batch is a view: the cheapest way to batch.
             order = torch.randperm(self.num_samples,
                                    generator=epoch_generator(self.seed, self.epoch))
-            x, y, w = tree_map(lambda t: t[order], (x, y, w))
+            x, y, w = tree_map(lambda t: _gather(t, order, self.pin_memory), (x, y, w))
         take, take_y = _slicer(x), _slicer(y)
         take_w = None if w is None else _slicer(w)
         steps, size, n = self.num_batches, self.global_batch, self.num_samples
@@ -109,6 +113,16 @@ class TensorSource:
         # (exact when the old global batch is a multiple of the new one).
         seen = int(state["position"]) * int(state.get("global_batch", self.global_batch))
         self.position = seen // self.global_batch
+
+
+def _gather(t: torch.Tensor, order: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``t[order]``; with ``pin``, into pinned memory (host tensors only): the epoch's copy
+    exists anyway, so pinning it costs no extra pass, and torch's caching host allocator
+    hands the block out again only once the copies queued from it have finished."""
+    if not pin or t.device.type != "cpu":
+        return t[order]
+    out = torch.empty((len(order), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+    return torch.index_select(t, 0, order, out=out)
 
 
 def _slicer(tree: Any) -> Any:

@@ -21,8 +21,9 @@ from test_equivalence import data, hand_loop, mlp  # noqa: E402
 from test_resume import BATCH, EPOCHS, Crash, X, Y, assert_bitwise  # noqa: E402
 
 CUDA = "cuda:0"
-# One GPU, and two replicas on it: the multi-device path (flat-bucket reduce, one stream per
-# replica) on a machine with one GPU.
+# One GPU, and two replicas on it: the multi-device path (flat-bucket reduce, replica threads)
+# on a machine with one GPU. Both replicas run on the device's current stream (the caller's),
+# and autograd runs their backwards on its one thread for that device: one after the other.
 DEVICE_LISTS = {"1gpu": [CUDA], "2replicas": [CUDA, CUDA]}
 
 __all__ = [

@@ -35,7 +35,7 @@ IDS = list(DEVICE_LISTS)
 def test_predict_rows_in_order_on_cuda(devices: list[str]) -> None:
     """API.md: predict returns exactly one row per input sample, in input order, on the CPU
     (203 rows: a short last batch; outputs are copied to the host right after the replicas'
-    forwards on their own streams)."""
+    forwards in their own threads)."""
     x, _ = data(203)
     net = mlp()
     with torch.no_grad():

@@ -19,7 +19,7 @@ def test_every_state_kind_through_fit_and_evaluate(kind: str, devices: list[str]
     buffers the next batch overwrote. torchmetrics reduces each state by its own rule (sum,
     mean, cat, min, max, a callable); with lr=0 the weights stay put, so the training epoch
     (labels staged in reused device buffers, outputs with autograd history, metric updates on
-    the replicas' streams) and evaluate must both give the metric of the whole epoch at
+    the replicas' threads) and evaluate must both give the metric of the whole epoch at
     once."""
     seqs, y = _sequences()
     it = fitdp.BucketIterator(seqs, y, batch_size=16, buckets=[8, 20], seed=0)

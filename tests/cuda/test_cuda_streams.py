@@ -1,7 +1,8 @@
-"""The CUDA tier, stream ordering. Each replica runs on a CUDA stream of its own; what it
-reads from the caller's stream (weights just stepped or broadcast, gradients just zeroed,
-inputs just made) and what the caller reads from it (outputs, losses, metric states) must be
-ordered by the streams, not by timing luck. Keeping one stream busy with
+"""The CUDA tier, stream ordering. Each replica runs on its device's current stream (the
+caller's; two replicas on one GPU share it) from a thread of its own; what it reads from the
+caller (weights just stepped or broadcast, gradients just zeroed, inputs just made) and what
+the caller reads from it (outputs, losses, metric states) must be ordered by the streams and
+the threads' hand-offs, not by timing luck. Keeping one stream busy with
 ``torch.cuda._sleep`` (a spin kernel, torch's own tool for such tests) makes a missing
 ordering show every time instead of once in a while."""
 
