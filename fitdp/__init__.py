@@ -15,9 +15,10 @@ from fitdp.executor.engines import DDP, FSDP
 from fitdp.export import load_predictor
 from fitdp.model import Model
 from fitdp.monitor import Monitor
+from fitdp.sequence import TokenMean
 
 __all__ = [
     "DDP", "FSDP", "BucketIterator", "CheckpointError", "DataBatch", "DataDesc", "Model",
-    "Monitor",
+    "Monitor", "TokenMean",
     "__version__", "callbacks", "executor", "load_predictor",
 ]

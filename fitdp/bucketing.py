@@ -12,7 +12,8 @@ import torch
 
 from fitdp.batch import DataBatch, DataDesc
 from fitdp.sources.protocol import SourcePlan
-from fitdp.validate import check_int
+from fitdp.sources.sequences import as_labels, as_sequences, check_pad
+from fitdp.validate import check_choice, check_int
 
 
 class StepCost(NamedTuple):
@@ -154,6 +155,10 @@ class BucketIterator:
         seed: seed of the shuffles; None draws one from torch's global RNG (reproducible).
         include_lengths: yield ``data=(padded, lengths)`` instead of ``padded``.
         label_pad: the value written after each per-token label sequence.
+        layout: ``"NT"`` (batch-first, ``(batch, time)``) or ``"TN"`` (time-major
+            ``(time, batch)`` data and per-token labels, as MXNet's ``BucketSentenceIter``;
+            lengths and per-sequence labels stay ``(batch, ...)``). The batches carry it, so
+            the devices split them, metrics read them and predict reorders them on ``N``.
 
     Raises:
         TypeError, ValueError: a bad argument, sequence or label (named in the message).
@@ -180,21 +185,29 @@ class BucketIterator:
         seed: int | None = None,
         include_lengths: bool = False,
         label_pad: int | float = -100,
+        layout: str = "NT",
     ) -> None:
         self.batch_size = check_int("batch_size", batch_size, 1)
         seed = None if seed is None else check_int("seed", seed, None)
-        seqs = _as_sequences(sequences)
+        seqs = as_sequences(sequences)
         self._dtype = functools.reduce(torch.promote_types, (s.dtype for s in seqs))
-        self.pad_value = _check_pad("pad_value", pad_value, "sequences", self._dtype)
+        self.pad_value = check_pad("pad_value", pad_value, "sequences", self._dtype)
 
         # One flat tensor + offsets (per-token labels too): a batch is one gather, not a collate.
         self._lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
         self._offsets = torch.cumsum(self._lengths, 0) - self._lengths
         self._flat = torch.cat([s.to(self._dtype) for s in seqs])
-        self._labels, self.per_token_labels = _as_labels(labels, self._lengths)
-        self.label_pad = _check_pad("label_pad", label_pad, "labels",
+        self._labels, self.per_token_labels = as_labels(labels, self._lengths)
+        self.label_pad = check_pad("label_pad", label_pad, "labels",
                                     getattr(self._labels, "dtype", torch.int64))
 
+        self.layout = check_choice("layout", layout, ("NT", "TN"),
+                                   "pass 'NT' for (batch, time) or 'TN' for (time, batch)")
+        if self.layout == "TN" and self._labels is not None and not self.per_token_labels and (
+                self._labels.dim() > 1):
+            raise ValueError(f"labels: got one label of shape {tuple(self._labels.shape[1:])} "
+                             "per sequence with layout='TN'; expected per-token labels or one "
+                             "number per sequence. Fix: layout='NT', or flatten the labels.")
         self.buckets = self._check_buckets(buckets)
         self.shuffle, self.include_lengths = bool(shuffle), bool(include_lengths)
         # Drawn from the global RNG so torch.manual_seed(...) reproduces a seed=None run.
@@ -246,18 +259,26 @@ class BucketIterator:
     @property
     def provide_data(self) -> list[DataDesc]:
         """Inputs of a full batch of the default bucket (MXNet style)."""
-        shape, lengths = (self.batch_size, self.default_bucket_key), (self.batch_size,)
+        shape, lengths = self._shape(self.default_bucket_key), (self.batch_size,)
         if self.include_lengths:
-            return [DataDesc("data0", shape, self._dtype), DataDesc("data1", lengths, torch.int64)]
-        return [DataDesc("data", shape, self._dtype)]
+            return [DataDesc("data0", shape, self._dtype, self.layout),
+                    DataDesc("data1", lengths, torch.int64, self.layout)]
+        return [DataDesc("data", shape, self._dtype, self.layout)]
+
+    def _shape(self, width: int) -> tuple[int, int]:
+        """A full batch of bucket ``width`` in this iterator's layout."""
+        return (width, self.batch_size) if self.layout == "TN" else (self.batch_size, width)
 
     @property
     def provide_label(self) -> list[DataDesc]:
         """Labels of a full batch of the default bucket ([] without labels)."""
         if self._labels is None:
             return []
-        rest = (self.default_bucket_key,) if self.per_token_labels else self._labels.shape[1:]
-        return [DataDesc("label", (self.batch_size, *rest), self._labels.dtype)]
+        if self.per_token_labels:
+            return [DataDesc("label", self._shape(self.default_bucket_key), self._labels.dtype,
+                             self.layout)]
+        shape = (self.batch_size, *self._labels.shape[1:])
+        return [DataDesc("label", shape, self._labels.dtype, self.layout)]
 
     def plan(self) -> SourcePlan:
         """For the manager: the buckets that have samples, the largest as default, its inputs."""
@@ -322,8 +343,13 @@ class BucketIterator:
             label[mask] = labels[source]
         elif labels is not None:
             label = labels[index]
+        if self.layout == "TN":  # one copy per batch, as BucketSentenceIter's ``.T``
+            padded = padded.t().contiguous()
+            if label is not None and self.per_token_labels:
+                label = label.t().contiguous()
         data = (padded, lengths) if self.include_lengths else padded
-        return DataBatch(data=data, label=label, bucket_key=width, pad=0, index=index)
+        return DataBatch(data=data, label=label, bucket_key=width, pad=0, index=index,
+                         layout=self.layout)
 
     def __iter__(self) -> Iterator[DataBatch]:
         if self._position >= self._num_batches:  # finished epoch, no set_epoch: move on
@@ -333,68 +359,3 @@ class BucketIterator:
             width, index = order[self._position]
             self._position += 1  # counted before the yield: a checkpoint taken in the step
             yield self._make_batch(width, index)  # that trains this batch resumes after it
-
-
-def _to_tensor(name: str, value: Any, expected: str) -> torch.Tensor:
-    """``value`` as a CPU tensor, else a TypeError naming ``name``."""
-    try:
-        return value.detach().cpu() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise TypeError(f"{name}: received {type(value).__name__} that is not numeric ({e}); "
-                        f"expected {expected}.") from None
-
-
-def _as_sequences(sequences: Any) -> list[torch.Tensor]:
-    """Convert and check every sequence: a non-empty 1-D numeric tensor on the CPU."""
-    if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
-        raise TypeError(f"sequences: received {type(sequences).__name__}; expected a list.")
-    if len(sequences) == 0:
-        raise ValueError("sequences: received an empty list; expected at least one sequence.")
-    out = []
-    for i, s in enumerate(sequences):
-        t = _to_tensor(f"sequences[{i}]", s, "a 1-D tensor, list of ints or numpy array")
-        if t.dim() != 1 or len(t) == 0:
-            got, fix = ("an empty sequence", "drop empty sequences first") if t.dim() == 1 else (
-                f"shape {tuple(t.shape)}", "flatten it")
-            raise ValueError(f"sequences[{i}]: received {got}; expected a non-empty 1-D "
-                             f"sequence. Fix: {fix}.")
-        out.append(t)
-    return out
-
-
-def _as_labels(labels: Any, lengths: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
-    """Labels as one CPU tensor (per token: concatenated; else dim 0 is the sample), and
-    whether they are per token."""
-    count, sizes = len(lengths), lengths.tolist()
-    if isinstance(labels, (list, tuple)) and len(labels) == count and all(
-        isinstance(x, (list, tuple)) or getattr(x, "ndim", 0) >= 1 for x in labels
-    ):  # a list of sequences: per token, or per sample if all alike (e.g. one-hot rows)
-        rows = [_to_tensor(f"labels[{i}]", x, "numbers") for i, x in enumerate(labels)]
-        bad = [i for i, r in enumerate(rows) if r.shape != (sizes[i],)]
-        if bad and len({r.shape for r in rows}) > 1:
-            i = bad[0]
-            raise ValueError(f"labels[{i}]: received shape {tuple(rows[i].shape)} for sequences"
-                             f"[{i}] of length {sizes[i]}; expected per-token labels of shape "
-                             f"({sizes[i]},). Fix: one label per token (a language model's: "
-                             "shift by one, end with label_pad).")
-        return (torch.stack(rows), False) if bad else (torch.cat(rows), True)
-    if labels is None:
-        return None, False
-    t = _to_tensor("labels", labels, "one label per sequence, or None")
-    if t.dim() == 0 or t.shape[0] != count:
-        got = "a scalar" if t.dim() == 0 else f"{t.shape[0]} labels"
-        raise ValueError(f"labels: received {got} for {count} sequences; expected one label "
-                         "(or label sequence) per sequence. Fix: pass labels in the same order "
-                         "and number as sequences.")
-    return t, False
-
-
-def _check_pad(name: str, value: Any, what: str, dtype: torch.dtype) -> int | float:
-    """``value`` as a pad of ``dtype`` (torch.full would silently truncate 0.5 to 0)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            dtype.is_floating_point or float(value).is_integer()):
-        raise TypeError(f"{name}: received {value!r} for {what} of dtype {dtype}; expected a "
-                        f"number of that dtype. Fix: pass e.g. {name}="
-                        f"{-100 if what == 'labels' else 0}.")
-    return value if dtype.is_floating_point else int(value)
-

@@ -7,9 +7,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fitdp.batch import DataBatch, tree_cat, tree_map
+from fitdp.batch import DataBatch
 from fitdp.callbacks import CallbackList
 from fitdp.distributed import Ranks
+from fitdp.sequence import PAD_VALUE, pad_cat, reorder, split_samples
 
 
 class Hooks(NamedTuple):
@@ -48,13 +49,16 @@ def run_batches(
     return done
 
 
-def assemble(rows: list[tuple[int, Any, Any]], ranks: Ranks, axis: int = 0) -> Any:
+def assemble(rows: list[tuple[int, Any, Any]], ranks: Ranks, axis: int = 0,
+             pad_value: float = PAD_VALUE, ragged: bool = False) -> Any:
     """Predict's rows in input order (from every rank under torch.distributed).
 
     ``rows`` holds ``(step, sample indices or None, outputs)``. A rank's step ``s`` holds
     global batch ``s * world_size + rank`` (round-robin sharding); batches that carry sample
-    indices (tensors, BucketIterator) are put back by index. Rows join along the batch
-    ``axis`` (1 for time-major data).
+    indices (tensors, BucketIterator) are put back by index, along the batch ``axis`` (1 for
+    time-major data). Outputs of several lengths (a tagger over buckets) are padded at the
+    end with ``pad_value`` to the longest; ``ragged`` returns one output per sample instead
+    (the batch axis removed, each at its batch's length).
     """
     keyed = [(s * ranks.world_size + ranks.rank, i, r) for s, i, r in rows]
     if ranks.enabled:
@@ -62,8 +66,10 @@ def assemble(rows: list[tuple[int, Any, Any]], ranks: Ranks, axis: int = 0) -> A
     keyed = [k for k in keyed if k[2] is not None]
     if not keyed:
         raise ValueError("x: got no samples to predict on; expected at least one")
-    result = tree_cat([r for _, _, r in keyed], axis)
-    if all(i is not None for _, i, _ in keyed):
-        order = torch.argsort(torch.cat([i for _, i, _ in keyed]))
-        result = tree_map(lambda t: t[order], result)
-    return result
+    indexed = all(i is not None for _, i, _ in keyed)
+    order = torch.argsort(torch.cat([i for _, i, _ in keyed])) if indexed else None
+    if ragged:
+        samples = [s for _, _, r in keyed for s in split_samples(r, axis)]
+        return samples if order is None else [samples[i] for i in order.tolist()]
+    result = pad_cat([r for _, _, r in keyed], axis, pad_value)
+    return result if order is None else reorder(result, order, axis)

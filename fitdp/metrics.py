@@ -11,6 +11,7 @@ from torchmetrics import Metric
 
 from fitdp.batch import tree_leaves, tree_map
 from fitdp.metric_specs import MetricsArg, MetricSpec, metric_specs, snake_case
+from fitdp.sequence import batch_first
 
 __all__ = ["MERGE_FIX", "DeviceMetrics", "MetricsArg", "MetricSpec", "metric_specs",
            "snake_case"]
@@ -53,6 +54,9 @@ class DeviceMetrics:
         self.templates = {n: m if isinstance(m, MetricSpec) else MetricSpec(m)
                           for n, m in metrics.items()}
         self.devices = list(devices)
+        # The batch axis of the data being run (set per batch by the session): time-major
+        # outputs and labels are moved batch-first before update (``sequence.batch_first``).
+        self.axis = 0
         self.specs = [{n: m.on(dev) for n, m in self.templates.items()} for dev in devices]
         self.reset()
         if len(self.devices) > 1:
@@ -88,6 +92,8 @@ class DeviceMetrics:
                 ``weighted_metrics`` only).
         """
         outputs, labels = tree_map(torch.Tensor.detach, (outputs, labels))
+        if self.axis:
+            outputs, labels = batch_first(outputs, labels, self.axis)
         inputs = {_storage(t) for t in tree_leaves((outputs, labels, weight))}
         for spec in self.specs[device_index].values():
             m = spec.metric

@@ -26,6 +26,7 @@ from fitdp.persist import RNG
 from fitdp.plans import CallPlan, legacy_data, plan_call, plan_fit
 from fitdp.replicas import Placement, Replicas
 from fitdp.run_state import RunState
+from fitdp.sequence import PAD_VALUE, check_pad_args
 from fitdp.session import Session
 from fitdp.trainer import CompileConfig, Trainer
 from fitdp.validate import FitdpWarning, fail
@@ -218,15 +219,19 @@ class Model(ModelIO, ModelExtras):
     def predict(self, x: Any = None, *, batch_size: int = 32, verbose: int | str = 0,
                 steps: int | None = None, callbacks: Sequence[Callback] | None = None,
                 devices: DevicesArg = "auto", work_load_list: Sequence[float] | str | None = None,
-                **legacy: Any) -> Any:
+                pad_value: float = PAD_VALUE, ragged: bool = False, **legacy: Any) -> Any:
         """Outputs for every sample, one row per input sample, in input order, on the CPU
-        (under torch.distributed: all rows, on every rank). Needs no compile."""
+        (under torch.distributed: all rows, on every rank). Needs no compile. Outputs of
+        several lengths (a per-token tagger over buckets) are padded at their end with
+        ``pad_value`` to the longest; ``ragged=True`` returns a list of per-sample outputs."""
+        check_pad_args(pad_value, ragged)
         plan = plan_call(self, legacy_data(x, legacy, "predict"), None, None,
                          batch_size=batch_size, verbose=verbose, callbacks=callbacks,
                          steps=steps, devices=devices, has_labels=False,
                          work_load_list=work_load_list)
         with self._call(plan, self._trainer) as session:
-            return session.predict_pass(plan.source, plan.callbacks, plan.steps)
+            return session.predict_pass(plan.source, plan.callbacks, plan.steps,
+                                        pad_value=pad_value, ragged=ragged)
 
     # -- one call's lifecycle -------------------------------------------------------------------
 

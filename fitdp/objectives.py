@@ -68,7 +68,11 @@ class Loss:
 
     def counts(self, targets: Any) -> torch.Tensor | None:
         """What this loss's batch mean divides by when it is not the rows: the targets it
-        does not ignore (weighted by class weight), for class-index losses; else None."""
+        does not ignore (weighted by class weight), for class-index losses; what a loss
+        that declares its denominator counts (``fitdp.sequence.TokenMean``); else None."""
+        declared = _declared_counts(self.spec)
+        if declared is not None:
+            return declared(targets)
         ignore, weight = _ignore_index(self.spec), getattr(self.spec, "weight", None)
         if ignore is None or not isinstance(targets, torch.Tensor) or targets.is_floating_point():
             return None
@@ -208,6 +212,15 @@ class Objective:
             if problem:
                 return f"{loss.name}: {problem}"
         return None
+
+
+def _declared_counts(spec: Any) -> Callable[[Any], torch.Tensor] | None:
+    """The ``counts(targets)`` of a custom loss that says what its mean divides by (a
+    ``TokenMean``, or any callable with that method); None for the others."""
+    if isinstance(spec, str):
+        return None
+    counts = getattr(spec, "counts", None)
+    return counts if callable(counts) else None
 
 
 def _ignore_index(spec: Any) -> int | None:

@@ -20,12 +20,14 @@ from fitdp.batch import DataBatch, take_rows, tree_cat, tree_leaves, tree_map, t
 from fitdp.callbacks import CallbackList
 from fitdp.executor.interrupts import GUARD
 from fitdp.loop import PREDICT, TEST, TRAIN, assemble, run_batches
+from fitdp.metrics import DeviceMetrics
 from fitdp.monitor import Monitor
 from fitdp.objectives import explain_failure
 from fitdp.persist import Entry
 from fitdp.plans import CallPlan, FitPlan
 from fitdp.replicas import Replicas
 from fitdp.run_state import RunState
+from fitdp.sequence import PAD_VALUE
 from fitdp.sources import DataSource
 from fitdp.trainer import Trainer
 from fitdp.validate import FitdpWarning, fail
@@ -148,7 +150,7 @@ class Session:
             due = run.micro_step + 1 >= self.accum
             if self.verified:  # the step inside the batch's hand-off (see run_batch)
                 self.mgr.run_batch(batch, True, total_rows=batch.global_rows, scale=self.scale,
-                                   metric=self.metrics if batch.label is not None else None,
+                                   metric=self._metrics_for(batch),
                                    zero_grad=first, optimizer=trainer.optimizer if due else None,
                                    scaler=trainer.scaler, clip_norm=self.clip)
             else:  # the first batch: its outputs are checked before the first step
@@ -211,9 +213,10 @@ class Session:
         callbacks.call("on_test_end", logs)
         return logs
 
-    def predict_pass(self, source: DataSource, callbacks: CallbackList, steps: int | None
-                     ) -> Any:
-        """Outputs for every sample of ``source``, in input order, on the CPU."""
+    def predict_pass(self, source: DataSource, callbacks: CallbackList, steps: int | None,
+                     pad_value: float = PAD_VALUE, ragged: bool = False) -> Any:
+        """Outputs for every sample of ``source``, in input order, on the CPU (see
+        ``loop.assemble`` for ``pad_value`` and ``ragged``)."""
         self.run.stop_predicting = False
         source.set_epoch(0)
         rows: list[tuple[int, Any, Any]] = []
@@ -231,17 +234,26 @@ class Session:
         run_batches(itertools.islice(source, steps), callbacks, PREDICT, step,
                     lambda: self.run.stop_predicting)
         callbacks.call("on_predict_end", {})
-        return assemble(rows, self.plan.ranks,
-                        axes.pop() if len(axes) == 1 else 0)
+        return assemble(rows, self.plan.ranks, axes.pop() if len(axes) == 1 else 0,
+                        pad_value, ragged)
 
     # -- shared by every call -------------------------------------------------------------
+
+    def _metrics_for(self, batch: DataBatch) -> DeviceMetrics | None:
+        """The metrics to update on ``batch`` (None without labels), told its batch axis:
+        time-major outputs reach them batch-first (``DeviceMetrics.axis``)."""
+        metrics = self.metrics
+        if metrics is None or batch.label is None:
+            return None
+        metrics.axis = batch.axis
+        return metrics
 
     def _run(self, batch: DataBatch, is_train: bool, **step: Any) -> None:
         """Load, forward (and backward when training) one batch and update the metrics, in
         one hand-off per device; ``step``: ``run_batch``'s zeroing and optimizer step. On a
         call's first batch, the user's errors come back with what the batch held."""
         if self.checked:
-            metrics = self.metrics if batch.label is not None else None
+            metrics = self._metrics_for(batch)
             self.mgr.run_batch(batch, is_train, total_rows=batch.global_rows,
                                scale=self.scale if is_train else None, metric=metrics, **step)
             return

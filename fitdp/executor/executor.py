@@ -110,6 +110,7 @@ class Executor:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.loss_count = torch.zeros((), dtype=torch.float64, device=device)
         self.pending_losses: list[tuple[torch.Tensor, int | torch.Tensor]] = []
+        self._clean: tuple[torch.Tensor, int] | None = None  # labels with no target ignored
 
     def _buffer(self, name: str, src: torch.Tensor) -> torch.Tensor:
         """A view of the shared input buffer shaped like ``src``, re-allocated when too small."""
@@ -202,12 +203,37 @@ class Executor:
                     f"(the mean over the batch). Fix: reduce with .mean() or use "
                     f"reduction='mean'."
                 )
-            self.pending_losses.append((loss.detach(), self.valid if count is None else count))
+            if count is None:
+                count = self._logged_count(loss_fn, lab) if w is None else self.valid
+            self.pending_losses.append((loss.detach(), count))
             if len(self.pending_losses) >= 256:  # bound the list between log points
                 self.fold_losses()
             unit = weight.__class__ is float and weight == 1.0
             self.loss = loss if unit else loss * weight
         return outputs
+
+    def _logged_count(self, loss_fn: LossFn, labels: Any) -> int | torch.Tensor:
+        """What the logged loss weighs this slice by when the caller gave no count: the
+        targets a counted loss means over (per-token labels padded with -100), else the
+        valid rows; so the logged loss is the same on one device as on several.
+
+        The labels' base tensor (an in-memory source's epoch labels) is counted once while
+        it is unchanged: with no target ignored, rows weigh as tokens, and no op is made
+        per step."""
+        counter = getattr(loss_fn, "counts", None)
+        if counter is None or not isinstance(labels, torch.Tensor):
+            return self.valid
+        base = labels if labels._base is None else labels._base
+        clean = self._clean
+        if clean is not None and clean[0] is base and clean[1] == base._version:
+            return self.valid
+        whole = counter(base)
+        if whole is None:
+            return self.valid
+        if not whole.is_floating_point() and int(whole) == base.numel():
+            self._clean = (base, base._version)
+            return self.valid
+        return whole if labels is base else counter(labels)
 
     def signature(self, is_train: bool, autocast_dtype: torch.dtype | None) -> Hashable:
         """What a static compiled graph is specialised on: mode and input shapes and dtypes."""
