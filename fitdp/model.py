@@ -171,6 +171,7 @@ class Model(ModelIO, ModelExtras):
             devices=devices, work_load_list=work_load_list, seed=seed, monitor=monitor,
             resume=resume, log_every=log_every, timeout=timeout)
         run, cbs = self.run, plan.callbacks
+        self._trained_on = plan.source.plan()  # export's batch and sequence axes
         with self._call(plan, trainer) as session:
             run.begin_fit(initial_epoch)
             session.start_fit()

@@ -21,6 +21,7 @@ from fitdp.persist import (
     warn_skipped,
 )
 from fitdp.plans import FitPlan
+from fitdp.sources import SourcePlan
 from fitdp.trainer import PRECISIONS
 from fitdp.validate import check_choice, check_path
 from fitdp.weights_io import load_weights_file, save_weights_file
@@ -73,6 +74,8 @@ class ModelIO:
     _replicas: Replicas | None
     _session: Session | None
     _writer: AsyncCheckpointWriter | None
+    # What the last fit trained on (its source's plan: layout, buckets), for export's axes.
+    _trained_on: SourcePlan | None = None
 
     def _sync_host(self) -> None:
         """Average the replicas into the host module (a no-op with the module as replica)."""
@@ -229,14 +232,23 @@ class ModelIO:
                 if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
     def export(self, path: str | os.PathLike[str], example_inputs: Any, *,
-               precision: str = "32") -> None:
+               precision: str = "32", dynamic_shapes: Any = None) -> None:
         """Write a single-device predictor (``torch.export``, dynamic batch) of the averaged
         weights in eval mode; load it with ``fitdp.load_predictor(path)``. ``precision``:
         ``"32"`` (fp32, the default, whatever the training precision) or the mixed precision
         the model trained with (``"bf16-mixed"``, ``"16-mixed"``: forward under autocast, as
-        ``predict`` runs it)."""
+        ``predict`` runs it).
+
+        ``dynamic_shapes`` (torch.export's) is used as given. Without it the batch axis is
+        dynamic, on the ``N`` of the layout the model was last fit on (time-major data:
+        axis 1), and for a model fit on buckets (a ``BucketIterator``) the sequence axis too
+        (see ``fitdp.export.export_module``)."""
         check_choice("precision", precision, tuple(PRECISIONS),
                      "pass the precision given to compile, e.g. precision='bf16-mixed'")
         self._sync_host()
-        export_module(self.module, path, example_inputs,
-                      autocast_dtype=PRECISIONS[precision])
+        trained = self._trained_on
+        descs = list(trained.inputs) if trained is not None else []
+        layout = descs[0].layout if descs else None
+        export_module(self.module, path, example_inputs, autocast_dtype=PRECISIONS[precision],
+                      dynamic_shapes=dynamic_shapes, layout=layout,
+                      sequence=bool(trained and trained.bucket_keys))

@@ -182,26 +182,49 @@ def test_layout_tn_batches_are_time_major() -> None:
         fitdp.BucketIterator(seqs, torch.zeros(4, 3), 2, layout="TN")
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_export_keeps_the_sequence_axis_dynamic(case: str, tmp_path: Path) -> None:
-    """Regression (issue 22.6): an export fixed every dim but the batch (a GRU exported at
-    T=12 refused T=20); a model trained on buckets exports its sequence axis dynamic."""
-    model = _model(case)
-    model.fit(_data(case), epochs=1, devices=["cpu"], verbose=0)
-    axis = CASES[case][5]
-    example = torch.randint(1, VOCAB, (12, 4) if axis == 1 else (4, 12))
-    model.export(tmp_path / "m.pt2", example)
+class ConvTagger(nn.Module):
+    """A tagger torch.export can trace at any length: (batch, time) -> (batch, classes, time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8, padding_idx=0)
+        self.conv = nn.Conv1d(8, CLASSES, 3, padding=1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.emb(tokens).transpose(1, 2))
+
+
+def test_export_keeps_the_sequence_axis_dynamic(tmp_path: Path) -> None:
+    """Regression (issue 22.6): an export fixed every dim but the batch (exported at T=12, a
+    tagger refused T=20); a model trained on buckets exports its sequence axis dynamic."""
+    model = fitdp.Model(ConvTagger())
+    model.compile(optimizer="adam", loss="cross_entropy")
+    model.fit(_data("tagger"), epochs=1, devices=["cpu"], verbose=0)
+    model.export(tmp_path / "m.pt2", torch.randint(1, VOCAB, (4, 12)))
     predictor = fitdp.load_predictor(tmp_path / "m.pt2")
-    for t, n in ((20, 3), (5, 7)):
-        x = torch.randint(1, VOCAB, (t, n) if axis == 1 else (n, t))
+    for n, t in ((3, 20), (7, 5)):
+        x = torch.randint(1, VOCAB, (n, t))
         with torch.no_grad():
-            torch.testing.assert_close(predictor(x), model.module.eval()(x), atol=1e-5,
-                                       rtol=1e-5)
+            torch.testing.assert_close(predictor(x), model.module.eval()(x))
+
+
+def test_export_of_a_time_major_gru(tmp_path: Path) -> None:
+    """Issue 22.6: a time-major GRU exports with its batch (axis 1) dynamic; torch.export
+    unrolls nn.GRU over time (pytorch/pytorch#115092), so the length stays the example's,
+    and the export says so."""
+    model = _model("lm")
+    model.fit(_data("lm"), epochs=1, devices=["cpu", "cpu"], verbose=0)
+    with pytest.warns(fitdp.validate.FitdpWarning, match="length 12 only"):
+        model.export(tmp_path / "m.pt2", torch.randint(1, VOCAB, (12, 1)))
+    predictor = fitdp.load_predictor(tmp_path / "m.pt2")
+    x = torch.randint(1, VOCAB, (12, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(predictor(x), model.module.eval()(x), atol=1e-5, rtol=1e-5)
 
 
 def test_export_dynamic_shapes_by_argument(tmp_path: Path) -> None:
     """Issue 22.6: Model.export(dynamic_shapes=...) follows torch.export's semantics."""
-    model = fitdp.Model(Tagger())
+    model = fitdp.Model(ConvTagger())
     seq = torch.export.Dim("seq", min=2, max=64)
     model.export(tmp_path / "t.pt2", torch.randint(1, VOCAB, (4, 12)),
                  dynamic_shapes=({0: torch.export.Dim("batch"), 1: seq},))
@@ -209,5 +232,37 @@ def test_export_dynamic_shapes_by_argument(tmp_path: Path) -> None:
     x = torch.randint(1, VOCAB, (3, 40))
     with torch.no_grad():
         torch.testing.assert_close(predictor(x), model.module.eval()(x))
-    with pytest.raises(ValueError, match="dynamic_shapes"):
+    with pytest.raises(TypeError, match="dynamic_shapes"):
         model.export(tmp_path / "u.pt2", torch.randint(1, VOCAB, (4, 12)), dynamic_shapes=3)
+
+
+class TimeMajorWithLengths(nn.Module):
+    """(time, batch) tokens and (batch,) lengths -> (batch, vocab): the last valid step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TimeMajorLM()
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out = self.lm(tokens)
+        return out[lengths - 1, torch.arange(out.shape[1])]
+
+
+def test_predictor_of_time_major_inputs_with_lengths(tmp_path: Path) -> None:
+    """Issue 22.6: the predictor checked the batch size on dim 0 of every input, which for
+    (time, batch) tokens and (batch,) lengths is the time; it compares the shared dims."""
+    model = fitdp.Model(TimeMajorWithLengths())
+    sentences = _sentences()
+    it = fitdp.BucketIterator(sentences, torch.zeros(len(sentences), dtype=torch.long), 16,
+                              layout="TN", include_lengths=True, seed=0)
+    model.compile(optimizer="sgd", loss="cross_entropy")
+    model.fit(it, epochs=1, devices=["cpu"], verbose=0)
+    x = (torch.randint(1, VOCAB, (12, 4)), torch.tensor([12, 3, 5, 1]))
+    with pytest.warns(fitdp.validate.FitdpWarning, match="length 12 only"):
+        model.export(tmp_path / "m.pt2", x)
+    predictor = fitdp.load_predictor(tmp_path / "m.pt2")
+    y = (torch.randint(1, VOCAB, (12, 6)), torch.tensor([1, 2, 3, 4, 5, 12]))
+    with torch.no_grad():
+        torch.testing.assert_close(predictor(*y), model.module.eval()(*y))
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        predictor(torch.randint(1, VOCAB, (12, 6)), torch.tensor([1, 2]))
