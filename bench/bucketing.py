@@ -40,11 +40,11 @@ Targets: (d) >= 2x real tokens/s of (a) and >= 0.97x of (c); (d) padding <= 5%; 
 20 buckets <= 1.05x the largest bucket alone.
 
 Step-time model (``--fit-cost``): automatic buckets minimise the modelled time of an epoch,
-``fitdp.bucketing.StepCost``: a step on ``rows`` sequences padded to ``width`` takes ``fixed +
+``fitdp.data.bucketing.StepCost``: a step on ``rows`` sequences padded to ``width`` takes ``fixed +
 per_timestep * width + per_token * rows * width``. ``--fit-cost`` times one training step of
 this GRU (one thread, process CPU time, median of 7 interleaved rounds) on rows 1..32 x widths
 4..256 and fits that model and the two-constant ``fixed + per_token * rows * width`` by least
-squares on the relative error; ``fitdp.bucketing.GRU_CPU_STEP_COST`` holds the result.
+squares on the relative error; ``fitdp.data.bucketing.GRU_CPU_STEP_COST`` holds the result.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def main() -> None:
                         help="a smoke run: 800 sequences, 1 epoch each; the targets do not apply")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     parser.add_argument("--fit-cost", action="store_true",
-                        help="fit fitdp.bucketing's step-time model on this machine, then exit")
+                        help="fit the bucketing step-time model on this machine, then exit")
     parser.add_argument("--run", choices=list(STRATEGIES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit_cost:

@@ -5,7 +5,7 @@ Run: python bench/checkpoint.py [--repeats 7] [--dir DIR] [--json out.json] [--q
 The state is an MLP 4096-4096-2048 (25.2M parameters) and its Adam state after one real step:
 ``{"module": net.state_dict(), "optimizer": opt.state_dict()}``, about 302 MB.
 
-(b) Synchronous: ``fitdp.checkpoint.save_checkpoint`` against a bare ``torch.save`` and against
+(b) Synchronous: ``saving.checkpoint.save_checkpoint`` against a bare ``torch.save`` and against
     ``torch.save`` + ``fsync`` of the file, interleaved (the first case rotates), each save to a
     new file (deleted afterwards, untimed), ``os.sync()`` before each timed save so no earlier
     write-back lands in its time. Target: save_checkpoint <= 1.05x torch.save + fsync (median
@@ -44,9 +44,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench this checkout's fitdp
-from fitdp.async_checkpoint import AsyncCheckpointWriter  # noqa: E402
-from fitdp.checkpoint import save_checkpoint  # noqa: E402
 from fitdp.executor.manager import DataParallelExecutorManager  # noqa: E402
+from fitdp.saving.async_writer import AsyncCheckpointWriter  # noqa: E402
+from fitdp.saving.checkpoint import save_checkpoint  # noqa: E402
 
 SYNC_TARGET = 1.05  # save_checkpoint / (torch.save + fsync), at most
 ASYNC_TARGET = 0.10  # training time lost per async save / synchronous save, at most

@@ -8,13 +8,13 @@ Example:
 
 from fitdp import callbacks, executor
 from fitdp._version import __version__
-from fitdp.batch import DataBatch, DataDesc
-from fitdp.bucketing import BucketIterator
-from fitdp.checkpoint import CheckpointError
+from fitdp.data.batch import DataBatch, DataDesc
+from fitdp.data.bucketing import BucketIterator
 from fitdp.executor.engines import DDP, FSDP
-from fitdp.export import load_predictor
-from fitdp.model import Model
-from fitdp.monitor import Monitor
+from fitdp.executor.monitor import Monitor
+from fitdp.model.facade import Model
+from fitdp.saving.checkpoint import CheckpointError
+from fitdp.saving.export import load_predictor
 from fitdp.sequence import TokenMean
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Variable-length data: predictions of several lengths, losses that average over tokens,
 metrics on time-major outputs.
 
-A foundation (it imports only ``fitdp.batch``): the call layer (``loop.assemble``), the
+A foundation (it imports only ``fitdp.data.batch``): the call layer (``loop.assemble``), the
 objectives and the metrics all use it.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from fitdp.batch import axis_of, tree_leaves, tree_map
+from fitdp.data.batch import axis_of, tree_leaves, tree_map
 
 PAD_VALUE = 0.0  # predict's default pad for outputs shorter than the longest (as pad_sequence)
 

@@ -1,4 +1,4 @@
-"""Tests for fitdp.export: export_module / load_predictor round trips, eval semantics, errors."""
+"""Tests for fitdp.saving.export: export_module / load_predictor round trips, eval, errors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fitdp
-from fitdp.export import InputSpec, Predictor, export_module, load_predictor
+from fitdp.saving.export import InputSpec, Predictor, export_module, load_predictor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -292,7 +292,7 @@ def test_loads_in_fresh_process_without_model_class(exported: dict, tmp_path: Pa
     script = textwrap.dedent(
         """
         import sys, torch
-        from fitdp import export
+        from fitdp.saving import export
         cases = torch.load(sys.argv[1])
         for kind, (path, inputs, want) in cases.items():
             for fn in (export.load_predictor(path), torch.export.load(path).module()):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fitdp
-from fitdp.batch import DataBatch
+from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
 
 

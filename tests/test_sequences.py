@@ -214,7 +214,7 @@ def test_export_of_a_time_major_gru(tmp_path: Path) -> None:
     and the export says so."""
     model = _model("lm")
     model.fit(_data("lm"), epochs=1, devices=["cpu", "cpu"], verbose=0)
-    with pytest.warns(fitdp.validate.FitdpWarning, match="length 12 only"):
+    with pytest.warns(fitdp.checks.FitdpWarning, match="length 12 only"):
         model.export(tmp_path / "m.pt2", torch.randint(1, VOCAB, (12, 1)))
     predictor = fitdp.load_predictor(tmp_path / "m.pt2")
     x = torch.randint(1, VOCAB, (12, 5))
@@ -258,7 +258,7 @@ def test_predictor_of_time_major_inputs_with_lengths(tmp_path: Path) -> None:
     model.compile(optimizer="sgd", loss="cross_entropy")
     model.fit(it, epochs=1, devices=["cpu"], verbose=0)
     x = (torch.randint(1, VOCAB, (12, 4)), torch.tensor([12, 3, 5, 1]))
-    with pytest.warns(fitdp.validate.FitdpWarning, match="length 12 only"):
+    with pytest.warns(fitdp.checks.FitdpWarning, match="length 12 only"):
         model.export(tmp_path / "m.pt2", x)
     predictor = fitdp.load_predictor(tmp_path / "m.pt2")
     y = (torch.randint(1, VOCAB, (12, 6)), torch.tensor([1, 2, 3, 4, 5, 12]))

@@ -8,7 +8,7 @@ import warnings
 from typing import Any
 
 from fitdp.callbacks._log_format import display_names
-from fitdp.validate import check_choice, fail
+from fitdp.checks import check_choice, fail
 
 # Substrings of log keys where higher is better ("auto" mode); "loss"/"error" win over them.
 _MAX_HINTS = ("acc", "auc", "auroc", "precision", "recall", "f1", "fbeta", "iou", "jaccard",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Literal
 
-from fitdp.validate import fail
+from fitdp.checks import fail
 
 
 def check_save_freq(save_freq: Any, owner: str, unit: str) -> Literal["epoch"] | int:

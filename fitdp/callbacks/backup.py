@@ -8,8 +8,8 @@ from typing import Any
 
 from fitdp.callbacks._save_freq import check_save_freq, step_save_due
 from fitdp.callbacks.base import Callback
-from fitdp.seal import CheckpointError, verify
-from fitdp.validate import fail
+from fitdp.checks import fail
+from fitdp.saving.seal import CheckpointError, verify
 
 
 class BackupAndRestore(Callback):
@@ -23,7 +23,7 @@ class BackupAndRestore(Callback):
 
     With `double_checkpoint=True` the backup before the latest is kept as
     `backup_dir/backup.prev.ckpt`; when the latest is missing or damaged (its seal or a record
-    CRC does not match, see `fitdp.seal.verify`), `resume_path()` warns, sets the damaged file
+    CRC does not match, see `saving.seal.verify`), `resume_path()` warns, sets the damaged file
     aside as `backup.ckpt.damaged` and returns the previous one (Keras 3).
 
     Args:

@@ -8,7 +8,7 @@ from typing import Any
 from fitdp.callbacks.base import HOOK_ALIASES, HOOKS, Callback
 from fitdp.callbacks.history import History
 from fitdp.callbacks.progress import ProgressBar
-from fitdp.validate import fail
+from fitdp.checks import fail
 
 _BATCH_END_HOOKS = ("on_train_batch_end", "on_test_batch_end")
 

@@ -7,7 +7,7 @@ import os
 from typing import IO, Any
 
 from fitdp.callbacks.base import Callback
-from fitdp.validate import check_path, fail
+from fitdp.checks import check_path, fail
 
 _MISSING = "NA"  # Keras's placeholder; pandas reads it as NaN
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from fitdp.callbacks._monitored_value import is_improvement, monitor_value, resolve_mode
 from fitdp.callbacks.base import Callback
-from fitdp.validate import check_int, check_number
+from fitdp.checks import check_int, check_number
 
 
 class EarlyStopping(Callback):

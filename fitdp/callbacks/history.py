@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fitdp.callbacks.base import Callback
-from fitdp.validate import fail
+from fitdp.checks import fail
 
 
 class History(Callback):

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fitdp.callbacks.base import HOOKS, Callback
-from fitdp.validate import fail
+from fitdp.checks import fail
 
 _NAMES = HOOKS + ("on_batch_begin", "on_batch_end")
 

@@ -13,7 +13,7 @@ from fitdp.callbacks._monitored_value import (
     resolve_mode,
 )
 from fitdp.callbacks.base import Callback
-from fitdp.validate import check_int, check_number, fail
+from fitdp.checks import check_int, check_number, fail
 
 
 def _optimizer(model: Any, owner: str) -> Any:

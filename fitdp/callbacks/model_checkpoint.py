@@ -17,7 +17,7 @@ from fitdp.callbacks._monitored_value import (
 )
 from fitdp.callbacks._save_freq import BatchCounter, check_save_freq
 from fitdp.callbacks.base import Callback
-from fitdp.validate import check_int, check_number, fail
+from fitdp.checks import check_int, check_number, fail
 
 
 class ModelCheckpoint(Callback):

@@ -10,7 +10,7 @@ from typing import Any
 
 from fitdp.callbacks._log_format import log_items, take_fitting, wrap
 from fitdp.callbacks.base import Callback
-from fitdp.validate import check_choice, check_int
+from fitdp.checks import check_choice, check_int
 
 logger = logging.getLogger("fitdp")
 

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from fitdp.callbacks.base import Callback
-from fitdp.validate import check_int, fail
+from fitdp.checks import check_int, fail
 
 
 class TensorBoard(Callback):

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.batch import DataBatch
-from fitdp.validate import check_int, fail
+from fitdp.checks import check_int, fail
+from fitdp.data.batch import DataBatch
 
 
 def check_module(module: Any) -> None:
@@ -28,7 +28,7 @@ def check_module(module: Any) -> None:
 def check_batch(data_batch: Any) -> None:
     """``data_batch`` is a ``DataBatch``."""
     if not isinstance(data_batch, DataBatch):
-        fail("data_batch", f"a {type(data_batch).__name__}", "a fitdp.batch.DataBatch",
+        fail("data_batch", f"a {type(data_batch).__name__}", "a fitdp.data.batch.DataBatch",
              "wrap the tensors: DataBatch(x, y)", error=TypeError, described=True)
 
 
@@ -40,9 +40,9 @@ def check_monitor(monitor: Any) -> None:
 
 
 def check_metric(metric: Any) -> None:
-    """``metric`` is a torchmetrics-like metric or a ``fitdp.metrics.DeviceMetrics``."""
+    """``metric`` is a torchmetrics-like metric or a ``fitdp.compiled.metrics.DeviceMetrics``."""
     if not (hasattr(metric, "clones") or callable(getattr(metric, "update", None))):
-        fail("metric", metric, "a torchmetrics Metric or a fitdp.metrics.DeviceMetrics",
+        fail("metric", metric, "a torchmetrics Metric or a fitdp.compiled.metrics.DeviceMetrics",
              "pass e.g. torchmetrics.classification.MulticlassAccuracy(num_classes=10)",
              error=TypeError)
 

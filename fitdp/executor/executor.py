@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.batch import axis_of, batch_length, take_rows, tree_leaves, tree_map, tree_names
+from fitdp.data.batch import axis_of, batch_length, take_rows, tree_leaves, tree_map, tree_names
 
 # (outputs, targets) -> scalar mean loss; called (outputs, targets, sample_weight) when the
 # batch carries per-sample weights.

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.batch import DataBatch, take_rows
+from fitdp.data.batch import DataBatch, take_rows
 from fitdp.executor.executor import Executor, LossFn
 from fitdp.executor.fused import FusedUpdate
 from fitdp.executor.job import Job, count_all, device_share, device_task

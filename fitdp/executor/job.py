@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fitdp.batch import DataBatch, take_rows
+from fitdp.data.batch import DataBatch, take_rows
 from fitdp.executor.executor import Executor, LossFn
 from fitdp.executor.fused import FusedUpdate
 

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fitdp.batch import DataBatch, axis_of, take_rows, tree_map
-from fitdp.devices import DevicesArg, resolve_devices
+from fitdp.data.batch import DataBatch, axis_of, take_rows, tree_map
 from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
+from fitdp.executor.devices import DevicesArg, resolve_devices
 from fitdp.executor.executor import LossFn
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.reduce import FlatBuckets
@@ -41,7 +41,7 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
     Args:
         module: the network (the host copy). With one device already holding it, the replica
             is ``module`` itself; otherwise every replica is a copy.
-        devices: see ``fitdp.devices.resolve_devices``.
+        devices: see ``fitdp.executor.devices.resolve_devices``.
         work_load_list: relative share of each device; default equal. ``"auto"``: measured
             (see ``set_work_load_list``).
         bucket_module: ``callable(bucket_key) -> nn.Module`` (MXNet's ``sym_gen``).
@@ -240,7 +240,7 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
     def update_metric(self, metric: Any, labels: Any = None) -> None:
         """Update ``metric`` per device slice.
 
-        ``metric`` is a ``fitdp.metrics.DeviceMetrics`` (each device updates its own clone,
+        ``metric`` is a ``fitdp.compiled.metrics.DeviceMetrics`` (each device updates its own clone,
         on that device) or a plain torchmetrics metric (updated with each slice in turn).
         ``labels`` defaults to the labels loaded with the batch.
         """

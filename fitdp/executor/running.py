@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fitdp.batch import DataBatch, axis_of, batch_axis
+from fitdp.checks import FitdpWarning
+from fitdp.data.batch import DataBatch, axis_of, batch_axis
 from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck, slow_replicas_message
 from fitdp.executor.executor import Executor, LossFn
 from fitdp.executor.fused import SHARD_MIN_NUMEL, FusedUpdate
@@ -23,7 +24,6 @@ from fitdp.executor.interrupts import GUARD
 from fitdp.executor.reduce import FlatBuckets
 from fitdp.executor.slicing import check_work_load_arg
 from fitdp.executor.step import ShardedStep
-from fitdp.validate import FitdpWarning
 
 if TYPE_CHECKING:
     from fitdp.executor.group import DataParallelExecutorGroup

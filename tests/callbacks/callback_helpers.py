@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fitdp.callbacks import Callback
-from fitdp.checkpoint import save_checkpoint
+from fitdp.saving.checkpoint import save_checkpoint
 
 
 class FakeModel:

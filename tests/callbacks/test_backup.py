@@ -8,7 +8,7 @@ import pytest
 from callback_helpers import attach
 
 from fitdp.callbacks import BackupAndRestore, TerminateOnNaN
-from fitdp.checkpoint import load_checkpoint
+from fitdp.saving.checkpoint import load_checkpoint
 
 
 def test_backup_and_restore_paths(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from callback_helpers import FakeModel, attach, run_batches
 
 from fitdp.callbacks import ModelCheckpoint
-from fitdp.checkpoint import load_checkpoint
+from fitdp.saving.checkpoint import load_checkpoint
 
 
 def files(folder) -> list[str]:

@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from fitdp.async_checkpoint import AsyncCheckpointWriter
-from fitdp.checkpoint import load_checkpoint, save_checkpoint
+from fitdp.saving.async_writer import AsyncCheckpointWriter
+from fitdp.saving.checkpoint import load_checkpoint, save_checkpoint
 
 ELEMENTS = 1 << 18  # 1 MB of float32 plus 2 MB of int64: a few MB per checkpoint
 

@@ -1,4 +1,4 @@
-"""Tests for fitdp.async_checkpoint.AsyncCheckpointWriter (issue 12.2). Its SIGKILL test is
+"""Tests for fitdp.saving.async_writer.AsyncCheckpointWriter (issue 12.2). Its SIGKILL test is
 test_checkpoint_io.py::test_sigkill_at_random_moments_leaves_a_loadable_checkpoint[async]."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 import torch
 from ckpt_support import assert_same, temp_files
 
-from fitdp import async_checkpoint
-from fitdp.async_checkpoint import AsyncCheckpointWriter
-from fitdp.checkpoint import load_checkpoint, save_checkpoint
+from fitdp.saving import async_writer as async_checkpoint
+from fitdp.saving.async_writer import AsyncCheckpointWriter
+from fitdp.saving.checkpoint import load_checkpoint, save_checkpoint
 
 
 def trained_state() -> dict[str, Any]:

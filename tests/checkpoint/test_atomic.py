@@ -1,4 +1,4 @@
-"""Tests for fitdp.atomic: the one atomic writer of checkpoints, weights files and export."""
+"""Tests for fitdp.saving.atomic: the one atomic writer of checkpoints, weights files and export."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import torch
 from ckpt_support import SaverServer, temp_files
 
 import fitdp
-import fitdp.async_checkpoint
-from fitdp.atomic import TEMP_NAME, atomic_write, remove_stale_temp_files
-from fitdp.checkpoint import load_checkpoint, save_checkpoint
-from fitdp.export import export_module
-from fitdp.weights_io import save_weights_file
+import fitdp.saving.async_writer
+from fitdp.saving.atomic import TEMP_NAME, atomic_write, remove_stale_temp_files
+from fitdp.saving.checkpoint import load_checkpoint, save_checkpoint
+from fitdp.saving.export import export_module
+from fitdp.saving.weights_file import save_weights_file
 
 
 def dead_pid() -> int:
@@ -115,7 +115,7 @@ def test_twenty_sigkilled_saves_leave_no_temp_files_after_the_next_save(
     assert load_checkpoint(path) == {"counter": -1}
 
 
-@pytest.mark.parametrize("module", [fitdp.atomic, fitdp.async_checkpoint])
+@pytest.mark.parametrize("module", [fitdp.saving.atomic, fitdp.saving.async_writer])
 def test_docstring_examples_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType
 ) -> None:

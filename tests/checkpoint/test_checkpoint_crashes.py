@@ -16,7 +16,7 @@ import pytest
 import torch
 from ckpt_support import SaverServer, temp_files
 
-from fitdp.checkpoint import load_checkpoint, remove_stale_temp_files, save_checkpoint
+from fitdp.saving.checkpoint import load_checkpoint, remove_stale_temp_files, save_checkpoint
 
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
 

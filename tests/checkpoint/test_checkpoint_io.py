@@ -1,4 +1,4 @@
-"""Tests for fitdp.checkpoint: atomic saves, verified loads, RNG state, temp-file cleanup."""
+"""Tests for fitdp.saving.checkpoint: atomic saves, verified loads, RNG state, temp-file cleanup."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 import torch
 from ckpt_support import assert_same, temp_files
 
-from fitdp import checkpoint, seal
-from fitdp.checkpoint import (
+from fitdp.saving import checkpoint, seal
+from fitdp.saving.checkpoint import (
     HEADER_KEY,
     CheckpointError,
     capture_rng_state,

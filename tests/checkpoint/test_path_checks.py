@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from fitdp.async_checkpoint import AsyncCheckpointWriter
-from fitdp.checkpoint import load_checkpoint, save_checkpoint
-from fitdp.export import export_module, load_predictor
-from fitdp.weights_io import load_weights_file, save_weights_file
+from fitdp.saving.async_writer import AsyncCheckpointWriter
+from fitdp.saving.checkpoint import load_checkpoint, save_checkpoint
+from fitdp.saving.export import export_module, load_predictor
+from fitdp.saving.weights_file import load_weights_file, save_weights_file
 
 
 def submit_async(path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitdp.checkpoint import load_checkpoint, save_checkpoint
+from fitdp.saving.checkpoint import load_checkpoint, save_checkpoint
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:

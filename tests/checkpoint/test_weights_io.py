@@ -1,4 +1,4 @@
-"""Tests for fitdp.weights_io (issue 13.2): safetensors and sealed fitdp weights files."""
+"""Tests for fitdp.saving.weights_file (issue 13.2): safetensors and sealed fitdp weights files."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from fitdp.checkpoint import CheckpointError, save_checkpoint
-from fitdp.weights_io import load_weights_file, save_weights_file
+from fitdp.saving.checkpoint import CheckpointError, save_checkpoint
+from fitdp.saving.weights_file import load_weights_file, save_weights_file
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool)

@@ -13,8 +13,8 @@ from torch import nn
 
 import fitdp
 from fitdp.callbacks import Callback
-from fitdp.devices import pin_host_batches
-from fitdp.sources import make_source
+from fitdp.data.sources import make_source
+from fitdp.executor.devices import pin_host_batches
 
 pytestmark = pytest.mark.requires_cuda
 DEVICES = list(DEVICE_LISTS.values())

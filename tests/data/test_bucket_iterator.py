@@ -16,10 +16,10 @@ from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
 import fitdp
-import fitdp.bucketing
-from fitdp.batch import DataBatch, DataDesc
-from fitdp.bucketing import BucketIterator, choose_buckets
-from fitdp.sources.protocol import DataSource, SourcePlan
+import fitdp.data.bucketing
+from fitdp.data.batch import DataBatch, DataDesc
+from fitdp.data.bucketing import BucketIterator, choose_buckets
+from fitdp.data.sources.protocol import DataSource, SourcePlan
 
 
 def make_sequences(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
@@ -281,7 +281,7 @@ def test_bad_epoch_or_state_raises_a_clear_error():
 
 
 def test_docstring_examples_run():
-    assert doctest.testmod(fitdp.bucketing, extraglobs={"torch": torch}).failed == 0
+    assert doctest.testmod(fitdp.data.bucketing, extraglobs={"torch": torch}).failed == 0
 
 
 def test_per_token_labels_are_padded_with_label_pad():

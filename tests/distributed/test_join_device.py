@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fitdp.distributed import Ranks
+from fitdp.call.ranks import Ranks
 
 
 def test_a_group_the_user_initialized_still_gets_the_ranks_device(monkeypatch):

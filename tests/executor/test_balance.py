@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from fitdp.batch import DataBatch
+from fitdp.checks import FitdpWarning
+from fitdp.compiled.losses import Objective
+from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
 from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck
 from fitdp.executor.slicing import split_input_slice
-from fitdp.objectives import Objective
-from fitdp.validate import FitdpWarning
 
 
 def test_loads_follow_the_measured_speeds():

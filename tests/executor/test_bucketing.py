@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import fitdp
-from fitdp.batch import DataBatch, DataDesc
 from fitdp.callbacks import LambdaCallback
+from fitdp.data.batch import DataBatch, DataDesc
 from fitdp.executor import DataParallelExecutorManager
 
 CPU2 = ["cpu", "cpu"]

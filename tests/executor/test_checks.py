@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fitdp.batch import DataBatch, DataDesc
+from fitdp.data.batch import DataBatch, DataDesc
 from fitdp.executor import DataParallelExecutorManager, split_input_slice
 
 
@@ -45,7 +45,7 @@ def test_set_params_is_atomic(mgr):
     (lambda m: m.set_params({"weight": [[0.0] * 4] * 2}, {}), TypeError,
      r"set_params\(arg_params=\.\.\.\)\['weight'\]: got .*list.*expected a tensor"),
     (lambda m: m.load_data_batch(torch.ones(3, 4)), TypeError,
-     r"data_batch: got a Tensor; expected a fitdp.batch.DataBatch. Fix: wrap"),
+     r"data_batch: got a Tensor; expected a fitdp.data.batch.DataBatch. Fix: wrap"),
     (lambda m: m.install_monitor(5), TypeError, r"monitor: got 5; expected a fitdp.Monitor"),
     (lambda m: m.update_metric(None), TypeError,
      r"metric: got None \(NoneType\); expected a torchmetrics Metric"),

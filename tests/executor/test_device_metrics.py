@@ -18,9 +18,9 @@ from torchmetrics.image import PeakSignalNoiseRatio
 from torchmetrics.regression import PearsonCorrCoef
 
 import fitdp
-import fitdp.metrics
+import fitdp.compiled.metrics
+from fitdp.compiled.metrics import DeviceMetrics, metric_specs
 from fitdp.executor import DataParallelExecutorManager
-from fitdp.metrics import DeviceMetrics, metric_specs
 
 CPU = torch.device("cpu")
 
@@ -300,4 +300,4 @@ def test_binary_metrics_read_logits_per_update() -> None:
 
 
 def test_docstring_example_runs() -> None:
-    assert doctest.testmod(fitdp.metrics, extraglobs={"torch": torch}).failed == 0
+    assert doctest.testmod(fitdp.compiled.metrics, extraglobs={"torch": torch}).failed == 0

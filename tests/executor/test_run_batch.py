@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import fitdp.executor.fused as fused
-from fitdp.batch import DataBatch
+from fitdp.compiled.losses import Objective
+from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
 from fitdp.executor.interrupts import GUARD
-from fitdp.objectives import Objective
 
 
 def net(dropout: float = 0.0) -> nn.Module:

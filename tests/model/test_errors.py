@@ -161,7 +161,7 @@ def test_one_shot_generator_with_several_epochs():
 
 
 def test_sync_batchnorm_needs_cuda():
-    from fitdp.replicas import _convert_sync_batchnorm
+    from fitdp.call.replicas import _convert_sync_batchnorm
 
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
     with pytest.raises(ValueError, match="SyncBatchNorm runs on CUDA only"):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fitdp
-from fitdp.batch import DataBatch
+from fitdp.data.batch import DataBatch
 
 G = torch.Generator().manual_seed(7)
 X, Y = torch.randn(64, 6, generator=G), torch.randint(0, 3, (64,), generator=G)

@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import fitdp
-from fitdp.devices import pin_host_batches
-from fitdp.sources import make_source
+from fitdp.data.sources import make_source
+from fitdp.executor.devices import pin_host_batches
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])

@@ -13,7 +13,7 @@ from torchmetrics.regression import MeanAbsoluteError
 
 import fitdp
 from fitdp.callbacks import EarlyStopping
-from fitdp.metrics import metric_specs
+from fitdp.compiled.metrics import metric_specs
 
 
 class TwoHeads(nn.Module):

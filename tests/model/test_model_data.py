@@ -11,7 +11,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from torchmetrics.regression import MeanSquaredError
 
 import fitdp
-from fitdp.batch import DataBatch
+from fitdp.data.batch import DataBatch
 
 
 def classification(n: int = 90, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

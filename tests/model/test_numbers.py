@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fitdp
-from fitdp.batch import DataBatch
+from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
 
 G = torch.Generator().manual_seed(5)

@@ -11,7 +11,7 @@ import torch
 from twins import close, cross_entropy, data, fitdp_model, keras_model, linear, np_
 
 from fitdp.callbacks import LambdaCallback
-from fitdp.validate import FitdpWarning
+from fitdp.checks import FitdpWarning
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning",
                                         "ignore:`shuffle=True` was passed:UserWarning")

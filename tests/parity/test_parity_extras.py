@@ -12,8 +12,8 @@ from torch import nn
 from twins import cross_entropy, data, fitdp_model, keras_model, linear, np_, same_weights
 
 import fitdp
-import fitdp.model_extras
-import fitdp.summary
+import fitdp.model.extras
+import fitdp.model.summary
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
@@ -221,5 +221,5 @@ def test_on_batch_calls_keras(keras):
 
 
 def test_doctests():
-    for module in (fitdp.summary, fitdp.model_extras):
+    for module in (fitdp.model.summary, fitdp.model.extras):
         assert doctest.testmod(module).failed == 0

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fitdp.metrics import DeviceMetrics, metric_specs
-from fitdp.objectives import Objective
+from fitdp.compiled.losses import Objective
+from fitdp.compiled.metrics import DeviceMetrics, metric_specs
 from tests.parity import twins
 
 CPU2 = [torch.device("cpu")] * 2

@@ -1,0 +1,75 @@
+"""The per-batch routine every call shares, and predict's reassembly of rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+
+from fitdp.call.ranks import Ranks
+from fitdp.callbacks import CallbackList
+from fitdp.data.batch import DataBatch
+from fitdp.sequence import PAD_VALUE, pad_cat, reorder, split_samples
+
+
+class Hooks(NamedTuple):
+    """The callback hooks around each batch of one kind of call."""
+
+    begin: str
+    end: str
+
+
+TRAIN = Hooks("on_train_batch_begin", "on_train_batch_end")
+TEST = Hooks("on_test_batch_begin", "on_test_batch_end")
+PREDICT = Hooks("on_predict_batch_begin", "on_predict_batch_end")
+
+
+def run_batches(
+    batches: Iterable[DataBatch],
+    callbacks: CallbackList,
+    hooks: Hooks,
+    step: Callable[[DataBatch, int], dict[str, float]],
+    stop: Callable[[], bool],
+) -> int:
+    """For each batch: the begin hook, ``step(batch, index)``, the end hook with the logs
+    ``step`` returns; stop early when ``stop()`` says so (a callback set the call's flag).
+
+    Returns:
+        The number of batches run.
+    """
+    done = 0
+    for i, batch in enumerate(batches):
+        callbacks.call(hooks.begin, i, {})
+        logs = step(batch, i)
+        callbacks.call(hooks.end, i, logs)
+        done += 1
+        if stop():
+            break
+    return done
+
+
+def assemble(rows: list[tuple[int, Any, Any]], ranks: Ranks, axis: int = 0,
+             pad_value: float = PAD_VALUE, ragged: bool = False) -> Any:
+    """Predict's rows in input order (from every rank under torch.distributed).
+
+    ``rows`` holds ``(step, sample indices or None, outputs)``. A rank's step ``s`` holds
+    global batch ``s * world_size + rank`` (round-robin sharding); batches that carry sample
+    indices (tensors, BucketIterator) are put back by index, along the batch ``axis`` (1 for
+    time-major data). Outputs of several lengths (a tagger over buckets) are padded at the
+    end with ``pad_value`` to the longest; ``ragged`` returns one output per sample instead
+    (the batch axis removed, each at its batch's length).
+    """
+    keyed = [(s * ranks.world_size + ranks.rank, i, r) for s, i, r in rows]
+    if ranks.enabled:
+        keyed = sorted(ranks.gather_rows(keyed), key=lambda k: k[0])
+    keyed = [k for k in keyed if k[2] is not None]
+    if not keyed:
+        raise ValueError("x: got no samples to predict on; expected at least one")
+    indexed = all(i is not None for _, i, _ in keyed)
+    order = torch.argsort(torch.cat([i for _, i, _ in keyed])) if indexed else None
+    if ragged:
+        samples = [s for _, _, r in keyed for s in split_samples(r, axis)]
+        return samples if order is None else [samples[i] for i in order.tolist()]
+    result = pad_cat([r for _, _, r in keyed], axis, pad_value)
+    return result if order is None else reorder(result, order, axis)

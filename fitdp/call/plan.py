@@ -1,0 +1,267 @@
+"""Each call's arguments, checked and turned into what the call runs on, before anything
+changes: the data sources, callbacks, placement and options of ``fit``/``evaluate``/
+``predict``. A bad argument raises here, naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fitdp.call.ranks import DEFAULT_TIMEOUT, Ranks
+from fitdp.call.replicas import Placement
+from fitdp.callbacks import Callback, CallbackList
+from fitdp.checks import FitdpWarning, check_choice, check_int, check_number, fail
+from fitdp.data.batch import DataBatch
+from fitdp.data.sources import DataSource, make_source
+from fitdp.data.sources.convert import as_tensors, split_validation
+from fitdp.data.sources.make import is_source
+from fitdp.executor.devices import DevicesArg, pin_host_batches, resolve_devices
+from fitdp.executor.monitor import Monitor
+from fitdp.executor.slicing import check_work_load_arg
+from fitdp.saving.entries import resume_path
+
+
+@dataclasses.dataclass
+class CallPlan:
+    """What every call runs on."""
+
+    source: DataSource
+    callbacks: CallbackList
+    placement: Placement
+    steps: int | None = None
+    user_source: bool = False  # the source is the user's object: give it back unmoved
+    borrowed: tuple[DataSource, ...] = ()  # user sources a call only reads: put back after
+    auto_loads: bool = False  # work_load_list="auto": the manager measures the loads
+    timeout: float = DEFAULT_TIMEOUT  # seconds a collective may wait for the other ranks
+    # (name, amounts of data) of each source, compared across ranks when the call joins
+    amounts: tuple[tuple[str, dict[str, int | None]], ...] = ()
+
+    @property
+    def ranks(self) -> Ranks:
+        return self.placement.ranks
+
+    def join(self) -> None:
+        """Join torchrun's job and compare every rank's amounts of data: the checks that need
+        the other ranks, run when the call attaches (checking arguments joins nothing).
+
+        Raises:
+            ValueError: ranks with different amounts of data, on every rank, naming each.
+        """
+        self.ranks.join(self.placement.devices, self.timeout)
+        for name, counts in self.amounts:
+            self.ranks.check_even(name, counts)
+
+
+@dataclasses.dataclass
+class FitPlan(CallPlan):
+    """What ``fit`` runs on, beyond ``CallPlan``."""
+
+    epochs: int = 1
+    initial_epoch: int = 0
+    val: DataSource | None = None
+    val_steps: int | None = None
+    val_freq: int | Sequence[int] = 1
+    seed: int | None = None
+    monitor: Monitor | None = None
+    resume: str | None = None
+    log_every: int = 50
+
+    def validates(self, epoch: int) -> bool:
+        """Keras's ``validation_freq``: every N epochs (1-based), or the listed epochs."""
+        if self.val is None:
+            return False
+        if isinstance(self.val_freq, int):
+            return (epoch + 1) % self.val_freq == 0
+        return epoch + 1 in self.val_freq
+
+
+def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int, epochs: int,
+             verbose: Any, callbacks: Any, validation_split: Any, validation_data: Any,
+             shuffle: bool, class_weight: Any, initial_epoch: int, steps_per_epoch: Any,
+             validation_steps: Any, validation_batch_size: Any, validation_freq: Any,
+             devices: DevicesArg, work_load_list: Any, seed: Any, monitor: Any, resume: Any,
+             log_every: int, timeout: Any) -> FitPlan:
+    for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
+                             ("initial_epoch", initial_epoch, 0), ("log_every", log_every, 1)):
+        check_int(name, value, low)
+    steps = None if steps_per_epoch is None else check_int("steps_per_epoch", steps_per_epoch, 1)
+    val_steps = None if validation_steps is None else check_int("validation_steps",
+                                                                validation_steps, 1)
+    val_batch = batch_size if validation_batch_size is None else check_int(
+        "validation_batch_size", validation_batch_size, 1)
+    val_freq = _validation_freq(validation_freq)
+    if monitor is not None and not isinstance(monitor, Monitor):
+        fail("monitor", monitor, "a fitdp.Monitor", error=TypeError)
+    if not isinstance(shuffle, bool):
+        check_choice("shuffle", shuffle, (True, False))
+    check_number("timeout", timeout, low=0, low_open=True, fix="pass seconds, e.g. timeout=600")
+    seed = _seed(seed)
+    if validation_split:
+        if validation_data is not None:
+            fail("validation_split", validation_split, "validation_split or validation_data, "
+                 "not both", "drop one of them")
+        x, y, sample_weight = _split(x, y, sample_weight, validation_split)
+        validation_data = (x[1], y[1]) if sample_weight[1] is None else (x[1], y[1],
+                                                                          sample_weight[1])
+        x, y, sample_weight = x[0], y[0], sample_weight[0]
+    placement, auto = _place(model, devices, work_load_list, batch_size)
+    ranks = placement.ranks
+    train = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                        class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size,
+                        pin_memory=pin_host_batches(placement.devices))
+    num = train.num_batches
+    if steps is None and epochs - initial_epoch > 1 and num is None and _one_shot(x):
+        fail("x", f"a one-shot iterator ({type(x).__name__})", f"data that can be iterated "
+             f"{epochs - initial_epoch} times, or steps_per_epoch", "pass steps_per_epoch= "
+             "(an endless generator trains as long as asked), a list, a DataLoader or a "
+             "re-iterable object", described=True)
+    val = None if validation_data is None else _validation_source(
+        validation_data, val_batch, seed, ranks, pin_host_batches(placement.devices))
+    amounts = [("x", _amounts(train))]
+    if val is not None:
+        amounts.append(("validation_data", _amounts(val)))
+    cbs = _callbacks(model, callbacks, verbose, epochs=epochs, batch_size=batch_size,
+                     steps=steps or num)
+    return FitPlan(
+        source=train, callbacks=cbs, placement=_bucketed(placement, train),
+        steps=steps, user_source=is_source(x), epochs=epochs, initial_epoch=initial_epoch,
+        borrowed=(val,) if val is not None and is_source(validation_data) else (),
+        auto_loads=auto, timeout=timeout, amounts=tuple(amounts),
+        val=val, val_steps=val_steps, val_freq=val_freq, seed=seed, monitor=monitor,
+        resume=resume_path(resume, cbs.callbacks), log_every=log_every,
+    )
+
+
+def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
+              verbose: Any, callbacks: Any, steps: Any, devices: DevicesArg,
+              has_labels: bool, work_load_list: Any = None) -> CallPlan:
+    """``evaluate`` (``has_labels``) or ``predict``."""
+    check_int("batch_size", batch_size, 1)
+    steps = None if steps is None else check_int("steps", steps, 1)
+    placement, auto = _place(model, devices, work_load_list, None)
+    ranks = placement.ranks
+    source = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=False, seed=0,
+                         has_labels=has_labels, rank=ranks.rank, world_size=ranks.world_size,
+                         pin_memory=pin_host_batches(placement.devices))
+    cbs = _callbacks(model, callbacks, verbose, steps=steps or source.num_batches,
+                     batch_size=batch_size)
+    return CallPlan(source=source, callbacks=cbs, placement=_bucketed(placement, source),
+                    steps=steps, user_source=is_source(x),
+                    borrowed=(source,) if is_source(x) else (), auto_loads=auto,
+                    amounts=(("x", _amounts(source)),))
+
+
+def _place(model: Any, devices: DevicesArg, work_load_list: Any, batch_size: int | None
+           ) -> tuple[Placement, bool]:
+    """Devices, work loads and this process's rank, resolved once for the call (nothing is
+    joined yet). With ``work_load_list="auto"`` the placement has equal loads and the call
+    measures them."""
+    devs = resolve_devices(devices)
+    checked = check_work_load_arg(work_load_list, len(devs))
+    auto = isinstance(checked, str)
+    loads = [1.0] * len(devs) if isinstance(checked, str) else checked
+    if batch_size is not None and batch_size < len(devs):
+        fail("batch_size", batch_size, f"at least one sample per device for {len(devs)} "
+             f"devices {[str(d) for d in devs]}", f"batch_size >= {len(devs)}, or fewer devices")
+    ranks = Ranks.from_env()
+    model.is_main_process = ranks.is_main  # before callbacks ask the model
+    return Placement(tuple(devs), tuple(loads), ranks), auto
+
+
+def _amounts(source: DataSource) -> dict[str, int | None]:
+    return {"samples": source.plan().num_samples, "batches": source.num_batches}
+
+
+def _bucketed(placement: Placement, source: DataSource) -> Placement:
+    return dataclasses.replace(placement, default_bucket_key=source.plan().default_bucket_key)
+
+
+def _callbacks(model: Any, callbacks: Any, verbose: Any, **params: Any) -> CallbackList:
+    level = 1 if verbose == "auto" else verbose
+    if isinstance(level, bool) or level not in (0, 1, 2):
+        fail("verbose", verbose, "'auto', 0 (silent), 1 (progress bar) or 2 (one line per "
+             "epoch)")
+    if callbacks is None:
+        callbacks = []
+    if isinstance(callbacks, Callback) or not isinstance(callbacks, Sequence):
+        fail("callbacks", callbacks, "a list of fitdp.callbacks.Callback instances",
+             "wrap it in a list: callbacks=[...]", error=TypeError)
+    for i, cb in enumerate(callbacks):
+        if not isinstance(cb, Callback):
+            what = "the class itself" if isinstance(cb, type) else type(cb).__name__
+            fail(f"callbacks[{i}]", what, "a fitdp.callbacks.Callback instance",
+                 "pass an instance, e.g. EarlyStopping(), or wrap a function in "
+                 "LambdaCallback", error=TypeError, described=True)
+    params.setdefault("resumed", None)
+    return CallbackList(list(callbacks), model=model, add_history=True,
+                        add_progbar=bool(level) and model.is_main_process, verbose=level,
+                        params={"verbose": level, **params})
+
+
+def _seed(seed: Any) -> int:
+    """The data-order seed: ``seed``, or one drawn from torch's global RNG so that
+    ``torch.manual_seed`` makes the order reproducible."""
+    if seed is None:
+        return int(torch.randint(0, 2**62, (1,)).item())
+    return check_int("seed", seed)
+
+
+def _validation_freq(freq: Any) -> int | Sequence[int]:
+    if isinstance(freq, (list, tuple, range, set)):
+        return [check_int("validation_freq", f, 1) for f in freq]
+    return check_int("validation_freq", freq, 1, fix="pass an int N (every N epochs) or a "
+                     "list of epochs (1-based)")
+
+
+def _split(x: Any, y: Any, w: Any, fraction: Any) -> tuple[list[Any], list[Any], list[Any]]:
+    """Keras's validation_split on in-memory data (``x`` may be an ``(x, y[, w])`` tuple)."""
+    if y is None and isinstance(x, tuple) and len(x) in (2, 3):
+        x, y, w = (*x, w) if len(x) == 2 else x
+    if y is None or isinstance(x, (DataBatch, torch.utils.data.Dataset)) or is_source(x):
+        fail("validation_split", fraction, "in-memory x and y (tensors or arrays)",
+             "pass validation_data= for Datasets, DataLoaders and iterators")
+    trees = [as_tensors(x, "x"), as_tensors(y, "y")]
+    if w is not None:
+        trees.append(as_tensors(w, "sample_weight"))
+    train, val = split_validation(fraction, *trees)
+    if w is None:
+        train.append(None)
+        val.append(None)
+    return [train[0], val[0]], [train[1], val[1]], [train[2], val[2]]
+
+
+def _validation_source(data: Any, batch_size: int, seed: int, ranks: Ranks,
+                       pin_memory: bool) -> DataSource:
+    x, y, w = data, None, None
+    if isinstance(data, tuple) and len(data) in (2, 3):
+        x, y, w = (*data, None) if len(data) == 2 else data
+    return make_source(x, y, w, batch_size=batch_size, shuffle=False, seed=seed,
+                       rank=ranks.rank, world_size=ranks.world_size, name="validation_data",
+                       pin_memory=pin_memory)
+
+
+def _one_shot(x: Any) -> bool:
+    try:
+        return iter(x) is x
+    except TypeError:
+        return False
+
+
+def legacy_data(x: Any, kwargs: Mapping[str, Any], method: str) -> Any:
+    """``data=`` (before the parity round) as a deprecated spelling of ``x=``."""
+    unknown = sorted(set(kwargs) - {"data"})
+    if unknown:
+        raise TypeError(f"Model.{method}() got an unexpected keyword argument {unknown[0]!r}")
+    if "data" not in kwargs:
+        return x
+    if x is not None:
+        fail("data", "both x= and data=", "one of them (data= is the old name of x=)",
+             "pass x= only", error=TypeError, described=True)
+    warnings.warn(f"Model.{method}(data=...) is deprecated; pass x=... (Keras's name)",
+                  FitdpWarning, stacklevel=3)
+    return kwargs["data"]
+

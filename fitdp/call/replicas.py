@@ -1,0 +1,146 @@
+"""The replicas a call runs on: an executor manager for one placement, with the optimizer
+bound to its parameters and one clone of every metric per device."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitdp.call.ranks import Ranks
+from fitdp.checks import fail
+from fitdp.compiled.metrics import DeviceMetrics
+from fitdp.compiled.optimizers import bind_optimizer
+from fitdp.compiled.setup import Compiled
+from fitdp.data.sources import SourcePlan
+from fitdp.executor.engines import engine_for
+from fitdp.executor.manager import DataParallelExecutorManager
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a call runs, resolved once per call and passed down.
+
+    Attributes:
+        devices: one torch.device per replica.
+        work_load_list: each device's share of a batch.
+        ranks: this process's place in a torch.distributed job, and its collectives.
+        default_bucket_key: the bucket the default executor group runs (None: whichever the
+            current replicas have, or no bucketing).
+    """
+
+    devices: tuple[torch.device, ...]
+    work_load_list: tuple[float, ...]
+    ranks: Ranks = Ranks()
+    default_bucket_key: Hashable | None = None
+
+    @property
+    def distributed(self) -> bool:
+        """This process is one rank of a torch.distributed job of several."""
+        return self.ranks.enabled
+
+
+class Replicas:
+    """The executor manager for a ``Placement`` and a ``Compiled`` (or none: predict without
+    compile), with per-device metric clones.
+
+    Args:
+        module: the host module (copied to the devices; with one device already holding
+            it, the replica is the module itself).
+        bucket_module: ``callable(bucket_key) -> nn.Module`` (MXNet's ``sym_gen``) or None.
+        placement: devices, work loads, ranks, default bucket.
+        trainer: the compiled setup, or None.
+
+    Raises:
+        ValueError: 16-mixed on devices that are not all CUDA; sync_batchnorm off CUDA; a
+            ``strategy`` that cannot run on this placement.
+    """
+
+    def __init__(self, module: nn.Module, bucket_module: Callable[[Any], nn.Module] | None,
+                 placement: Placement, trainer: Compiled | None) -> None:
+        autocast = trainer.autocast_dtype if trainer is not None else None
+        devices = list(placement.devices)
+        if trainer is not None:  # a strategy that cannot run here fails before any copy
+            engine_for(trainer.config.strategy, devices, placement.ranks.world_size)
+        if autocast is torch.float16 and any(d.type != "cuda" for d in devices):
+            fail("compile(precision='16-mixed')", [str(d) for d in devices],
+                 "CUDA devices only (it uses a CUDA GradScaler)",
+                 "precision='bf16-mixed' on the CPU, or run on CUDA devices")
+        if placement.distributed and trainer is not None and trainer.config.sync_batchnorm:
+            _convert_sync_batchnorm(module, devices)
+        self.placement = placement
+        self.trainer = trainer
+        # Metrics first: a metric that cannot be merged across devices fails before any
+        # thread is started.
+        self.metrics = DeviceMetrics(trainer.metrics, devices) if trainer and trainer.metrics \
+            else None
+        self.manager = DataParallelExecutorManager(
+            module, devices, work_load_list=list(placement.work_load_list),
+            bucket_module=bucket_module, default_bucket_key=placement.default_bucket_key,
+            loss=trainer.objective if trainer is not None else None,
+            compile=trainer.config.compile if trainer is not None else False,
+            autocast_dtype=autocast, distributed=placement.distributed,
+        )
+        if autocast is torch.float16 and trainer is not None and trainer.scaler is None:
+            trainer.scaler = torch.amp.GradScaler("cuda")
+            # The scaler makes its scale tensor on first use: here, in one thread, not in
+            # the device threads that scale their losses at once.
+            trainer.scaler.scale(torch.zeros((), device=devices[0]))
+
+    def fits(self, module: nn.Module, placement: Placement, trainer: Compiled | None) -> bool:
+        """Whether this call can run on these replicas as they are (same placement and
+        compile, and no parameter of ``module`` frozen or unfrozen since they were made:
+        gradients exist only for the trainable ones)."""
+        here = self.placement
+        same_bucket = placement.default_bucket_key is None or (
+            placement.default_bucket_key == here.default_bucket_key)
+        return (placement.devices == here.devices
+                and placement.work_load_list == here.work_load_list
+                and placement.ranks == here.ranks and same_bucket
+                and (trainer is self.trainer or trainer is None)
+                and [p.requires_grad for p in module.parameters()] == self.manager.trainable)
+
+    def prepare(self, plan: SourcePlan) -> None:
+        """Before the first step: input buffers for the largest batch, and every bucket's
+        executor group (a ``bucket_module`` that cannot share a parameter fails now)."""
+        if plan.inputs:
+            self.manager.reserve(list(plan.inputs))
+        self.manager.prepare_buckets(plan.bucket_keys)
+
+    def load_host(self, module: nn.Module) -> None:
+        """Copy the host module's weights into every replica (rank 0's under torchrun)."""
+        self.placement.ranks.broadcast_module(module, self.placement.devices[0])
+        self.manager.set_params(dict(module.named_parameters()), dict(module.named_buffers()))
+
+    def store_host(self, module: nn.Module) -> None:
+        """Average the replicas into the host module, in place (exact when they agree)."""
+        self.manager.copy_to(dict(module.named_parameters()), dict(module.named_buffers()))
+
+    def bind(self, optimizer: torch.optim.Optimizer, module: nn.Module, *, to_host: bool
+             ) -> None:
+        """Carry ``optimizer`` between the host module's parameters and device 0's."""
+        host = dict(module.named_parameters())
+        replica = self.manager.named_master_parameters()
+        src, dst = (replica, host) if to_host else (host, replica)
+        bind_optimizer(optimizer, {id(src[n]): dst[n] for n in src if n in dst})
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _convert_sync_batchnorm(module: nn.Module, devices: list[torch.device]) -> None:
+    """Caffe2's ``combine_spatial_bn``: BatchNorm statistics over every rank's batch."""
+    if any(d.type != "cuda" for d in devices):
+        fail("compile(sync_batchnorm=True)", [str(d) for d in devices],
+             "CUDA devices (torch's SyncBatchNorm runs on CUDA only)",
+             "drop sync_batchnorm on the CPU (fitdp then averages BatchNorm running statistics "
+             "over ranks at epoch ends)")
+    if not any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        converted = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        if converted is not module:
+            fail("compile(sync_batchnorm=True)", "a module that is itself a BatchNorm layer",
+                 "a module containing BatchNorm layers",
+                 "wrap it in an nn.Sequential so it can be converted in place", described=True)

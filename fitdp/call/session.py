@@ -1,0 +1,415 @@
+"""One call on a model's replicas: its steps, logs and data position, rolled back on failure.
+
+``Model.fit``/``evaluate``/``predict`` open a ``Session`` for the length of the call. It
+owns what only lives that long (the latest logs, the data position of the last optimizer
+step, the first-batch checks) and changes the model's lasting state only through the
+``RunState``, the trainer's optimizer and the replicas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fitdp.call.batches import PREDICT, TEST, TRAIN, assemble, run_batches
+from fitdp.call.plan import CallPlan, FitPlan
+from fitdp.call.replicas import Replicas
+from fitdp.call.run_state import RunState
+from fitdp.callbacks import CallbackList
+from fitdp.checks import FitdpWarning, fail
+from fitdp.compiled.losses import explain_failure
+from fitdp.compiled.metrics import DeviceMetrics
+from fitdp.compiled.setup import Compiled
+from fitdp.data.batch import DataBatch, take_rows, tree_cat, tree_leaves, tree_map, tree_structure
+from fitdp.data.sources import DataSource
+from fitdp.executor.interrupts import GUARD
+from fitdp.executor.monitor import Monitor
+from fitdp.saving.entries import Entry
+from fitdp.sequence import PAD_VALUE
+
+_FITDP_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class Session:
+    """The steps of one call (see the module docstring).
+
+    Args:
+        trainer: the compiled setup (None: predict without compile).
+        replicas: the manager and metric clones the call runs on.
+        run: the model's run state.
+        plan: the call's checked arguments.
+    """
+
+    def __init__(self, trainer: Compiled | None, replicas: Replicas, run: RunState,
+                 plan: CallPlan) -> None:
+        self.trainer, self.replicas, self.run, self.plan = trainer, replicas, run, plan
+        self.mgr = replicas.manager
+        self.metrics = replicas.metrics or None  # (no metrics: None, not an empty one)
+        self.logs: dict[str, float] = {}
+        self.example_inputs: Any = None
+        self.log_every = plan.log_every if isinstance(plan, FitPlan) else 50
+        self.monitor: Monitor | None = plan.monitor if isinstance(plan, FitPlan) else None
+        # Exact batch logs every batch only where reading them costs no device sync, and
+        # decided alike on every rank (a read is a collective under torch.distributed).
+        cpu = all(d.type == "cpu" for d in replicas.placement.devices)
+        cbs = plan.callbacks
+        needs = getattr(cbs, "needs_batch_logs", True)
+        self.exact_logs = cbs.sync_every_batch or (cpu and not plan.ranks.enabled and needs)
+        # No batch-end hook at all: no logs are read between epoch ends (each read folds
+        # the losses and syncs); a hook gets the latest values, never empty. Under
+        # torch.distributed a read is a collective, and ranks may hold other callbacks (the
+        # progress bar is rank 0's): read as planned.
+        listens = cbs.listens("on_train_batch_end") or cbs.listens("on_test_batch_end")
+        self.batch_reads = self.exact_logs or listens or plan.ranks.enabled
+        self.data_state: dict[str, Any] | None = None  # train source at the last step
+        self.checked = False  # the first batch ran (its errors came back with context)
+        self.verified = False  # the checks that need the model's outputs are done
+        self.scale = trainer.loss_scale() if trainer is not None else None
+        # Fixed for the call (compile cannot run during one): read once, not every step.
+        config = trainer.config if trainer is not None else None
+        self.accum = config.grad_accum_steps if config is not None else 1
+        self.clip = config.grad_clip_norm if config is not None else None
+        self.step_scheduler = trainer is not None and trainer.scheduler is not None
+        if self.monitor is not None:
+            self.mgr.install_monitor(self.monitor)
+        # Measured loads for this call, or the placement's (replicas kept from an "auto"
+        # call measure no more); the model reports the list in use, updated in place.
+        self.mgr.set_work_load_list(
+            "auto" if plan.auto_loads else list(replicas.placement.work_load_list))
+
+    # -- fit ----------------------------------------------------------------------------
+
+    def start_fit(self) -> None:
+        """Put the training data at the start of the run (a resume then loads over it)."""
+        plan = self.plan
+        plan.source.set_epoch(self.run.data_epoch)
+        self.data_state = plan.source.state_dict()
+
+    def train_epoch(self) -> dict[str, float]:
+        """Train one epoch (``steps_per_epoch`` batches, or the data's); return its logs."""
+        run, plan = self.run, self.plan
+        assert isinstance(plan, FitPlan)  # noqa: S101 - start_fit ran
+        if plan.steps is None and run.batch == 0:
+            plan.source.set_epoch(run.epoch)
+            run.data_epoch = run.epoch
+            self.data_state = plan.source.state_dict()
+        self.reset_logs()
+        run_batches(self._epoch_batches(), plan.callbacks, TRAIN, self.train_step,
+                    lambda: run.stop_training)
+        if run.micro_step:  # the epoch's last batches, fewer than grad_accum_steps
+            with GUARD.critical():
+                self._optimizer_step()
+        logs = self.read_logs()
+        self.mgr.sync_buffers()  # every replica (and the saved model) gets the same BN stats
+        return logs
+
+    def _epoch_batches(self) -> Iterator[DataBatch]:
+        """This epoch's batches: the rest of the data, or the next ``steps_per_epoch``
+        batches of a stream that starts the data's next epoch when one ends (Keras)."""
+        run, plan = self.run, self.plan
+        assert isinstance(plan, FitPlan)  # noqa: S101
+        if plan.steps is None:
+            yield from plan.source
+            return
+        left, fresh = plan.steps - run.batch, False
+        while left > 0:
+            got = 0
+            for batch in itertools.islice(plan.source, left):
+                got += 1
+                yield batch
+            left -= got
+            if left > 0:
+                if fresh and got == 0:  # a new pass of the data yielded nothing
+                    warnings.warn(
+                        "x: the data ran out before steps_per_epoch batches, and training "
+                        "stops (Keras does the same). Fix: make it yield at least "
+                        "steps_per_epoch * epochs batches (an endless generator does).",
+                        FitdpWarning, stacklevel=2)
+                    run.stop_training = True
+                    return
+                run.data_epoch += 1
+                plan.source.set_epoch(run.data_epoch)
+                fresh = True
+
+    def train_step(self, batch: DataBatch, index: int) -> dict[str, float]:
+        """Forward and backward of one batch; an optimizer step every ``grad_accum_steps``
+        batches. Runs whole: a Ctrl-C during it is raised after it."""
+        trainer, run = self.trainer, self.run
+        assert trainer is not None  # noqa: S101 - fit needs compile
+        with GUARD.critical():
+            if self.monitor is not None:
+                self.monitor.tic()
+            # Zeroed as the step begins, not after it: gradients stay readable until the
+            # next step begins (monitors, callbacks).
+            first = run.micro_step == 0
+            due = run.micro_step + 1 >= self.accum
+            if self.verified:  # the step inside the batch's hand-off (see run_batch)
+                self.mgr.run_batch(batch, True, total_rows=batch.global_rows, scale=self.scale,
+                                   metric=self._metrics_for(batch),
+                                   zero_grad=first, optimizer=trainer.optimizer if due else None,
+                                   scaler=trainer.scaler, clip_norm=self.clip)
+            else:  # the first batch: its outputs are checked before the first step
+                self._run(batch, True, zero_grad=first)
+                self._first_batch_checks(batch)
+                if due:
+                    self._step_replicas()
+            run.micro_step += 1
+            if due:
+                self._stepped()
+            if self.monitor is not None:
+                self.monitor.toc_print()
+        return self._batch_logs(index)
+
+    def _optimizer_step(self) -> None:
+        self._step_replicas()
+        self._stepped()
+
+    def _step_replicas(self) -> None:
+        trainer = self.trainer
+        assert trainer is not None  # noqa: S101
+        self.mgr.step(trainer.optimizer, scaler=trainer.scaler,
+                      clip_norm=trainer.config.grad_clip_norm)
+
+    def _stepped(self) -> None:
+        """What follows an optimizer step: the scheduler, the counters, the data position."""
+        if self.step_scheduler:
+            self.trainer.step_scheduler("step")  # type: ignore[union-attr]
+        self.run.stepped(self.run.micro_step)
+        self.data_state = self.plan.source.state_dict()
+
+    def end_epoch(self, logs: dict[str, float]) -> None:
+        """Record the rate this epoch trained with, then step a per-epoch scheduler."""
+        assert self.trainer is not None  # noqa: S101
+        lr = self.trainer.learning_rate
+        if lr is not None:
+            logs["lr"] = lr
+        self.trainer.step_scheduler("epoch")
+        self.run.epoch_done = True
+
+    # -- evaluate and predict -----------------------------------------------------------
+
+    def test_pass(self, source: DataSource, callbacks: CallbackList, steps: int | None
+                  ) -> dict[str, float]:
+        """Loss and metrics over ``source`` from its start (``steps`` batches at most)."""
+        self.run.stop_evaluating = False
+        self.reset_logs()
+        source.set_epoch(0)
+        callbacks.call("on_test_begin", {})
+
+        def step(batch: DataBatch, index: int) -> dict[str, float]:
+            self._run(batch, is_train=False)
+            if not self.verified:
+                self._first_batch_checks(batch)
+            return self._batch_logs(index)
+
+        run_batches(itertools.islice(source, steps), callbacks, TEST, step,
+                    lambda: self.run.stop_evaluating)
+        logs = self.read_logs()
+        callbacks.call("on_test_end", logs)
+        return logs
+
+    def predict_pass(self, source: DataSource, callbacks: CallbackList, steps: int | None,
+                     pad_value: float = PAD_VALUE, ragged: bool = False) -> Any:
+        """Outputs for every sample of ``source``, in input order, on the CPU (see
+        ``loop.assemble`` for ``pad_value`` and ``ragged``)."""
+        self.run.stop_predicting = False
+        source.set_epoch(0)
+        rows: list[tuple[int, Any, Any]] = []
+        axes: set[int] = set()
+        to_host = _host_copier(self.replicas)
+
+        def step(batch: DataBatch, index: int) -> dict[str, float]:
+            self._run(batch, is_train=False)
+            outs = [tree_map(to_host, o) for o in self.mgr.outputs()]
+            rows.append((index, batch.index, tree_cat(outs, batch.axis) if outs else None))
+            axes.add(batch.axis)
+            return {}
+
+        callbacks.call("on_predict_begin", {})
+        run_batches(itertools.islice(source, steps), callbacks, PREDICT, step,
+                    lambda: self.run.stop_predicting)
+        callbacks.call("on_predict_end", {})
+        return assemble(rows, self.plan.ranks, axes.pop() if len(axes) == 1 else 0,
+                        pad_value, ragged)
+
+    # -- shared by every call -------------------------------------------------------------
+
+    def _metrics_for(self, batch: DataBatch) -> DeviceMetrics | None:
+        """The metrics to update on ``batch`` (None without labels), told its batch axis:
+        time-major outputs reach them batch-first (``DeviceMetrics.axis``)."""
+        metrics = self.metrics
+        if metrics is None or batch.label is None:
+            return None
+        metrics.axis = batch.axis
+        return metrics
+
+    def _run(self, batch: DataBatch, is_train: bool, **step: Any) -> None:
+        """Load, forward (and backward when training) one batch and update the metrics, in
+        one hand-off per device; ``step``: ``run_batch``'s zeroing and optimizer step. On a
+        call's first batch, the user's errors come back with what the batch held."""
+        if self.checked:
+            metrics = self._metrics_for(batch)
+            self.mgr.run_batch(batch, is_train, total_rows=batch.global_rows,
+                               scale=self.scale if is_train else None, metric=metrics, **step)
+            return
+        trainer = self.trainer
+        if trainer is not None and batch.label is not None:
+            trainer.objective.check_targets(batch.label)
+            if batch.sample_weight is not None and not trainer.objective.supports_sample_weight:
+                raise ValueError(trainer.objective.no_weights_message())
+        try:
+            self.checked = True
+            self._run(batch, is_train, **step)
+        except Exception as err:
+            self.checked = False
+            if _raised_in_fitdp(err):
+                raise
+            raise explain_failure(err, batch, "x") from err
+
+    def _first_batch_checks(self, batch: DataBatch) -> None:
+        """Checks that need the model's outputs, made once per call before the first
+        optimizer step: every target in range (the whole in-memory label tensor), and the
+        validation data shaped like the training data."""
+        self.verified = True  # and one CPU row kept for summary()'s output shapes:
+        self.example_inputs = tree_map(lambda t: t.to("cpu", copy=True), take_rows(
+            batch.data, slice(0, 1), batch.axis))
+        if self.trainer is None or batch.label is None:
+            return
+        outputs = self.mgr.outputs()
+        if not outputs:
+            return
+        objective = self.trainer.objective
+        objective.check_outputs(outputs[0])  # logits, not probabilities
+        labels = self.plan.source.plan().targets
+        problem = objective.label_problem(outputs[0], batch.label if labels is None else labels)
+        if problem:
+            fail("y", problem, "class indices below the number of outputs",
+                 "check the labels, or the size of the model's last layer", described=True)
+        val = getattr(self.plan, "val", None)
+        if val is not None:
+            _check_validation(val, batch, objective, outputs[0])
+
+    def _batch_logs(self, index: int) -> dict[str, float]:
+        if self.exact_logs or (self.batch_reads and (
+                index == 0 or (index + 1) % self.log_every == 0)):
+            self.logs = self.read_logs()  # a host sync: only at log points on GPU
+        return dict(self.logs)
+
+    def read_logs(self) -> dict[str, float]:
+        """Mean loss and every metric since the last reset (the one host sync)."""
+        total, count = self.mgr.loss_state()
+        if self.plan.ranks.enabled:
+            total, count = self.plan.ranks.all_reduce_sum(torch.stack([total, count]))
+        rows = float(count)
+        logs = {"loss": float(total) / rows} if rows else {}
+        if self.metrics:
+            logs.update(self.metrics.compute())
+        return logs
+
+    def reset_logs(self) -> None:
+        self.mgr.reset_loss()
+        if self.metrics:
+            self.metrics.reset()
+        self.logs = {}
+
+    def data_position(self) -> Entry:
+        """The training data's position at the last optimizer step, as a checkpoint entry."""
+        def load(state: dict[str, Any]) -> None:
+            self.plan.source.load_state_dict(state)
+            self.data_state = state
+
+        return Entry(lambda: self.data_state, load)
+
+    def rollback(self) -> None:
+        """After a failure: drop the gradients and the position of batches not stepped, and
+        give the user's data source back where the last optimizer step left it."""
+        self.mgr.zero_grad()
+        self.run.micro_step = 0
+        if self.plan.user_source and self.data_state is not None:
+            self.plan.source.load_state_dict(self.data_state)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.remove()
+            self.mgr.monitor = None
+
+
+def _raised_in_fitdp(err: BaseException) -> bool:
+    """Whether ``err`` was raised by fitdp's own code (its messages are already clear)."""
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(
+        _FITDP_DIR)
+
+
+def _host_copier(replicas: Replicas) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Outputs to the CPU; under mixed precision, floats in the module's own dtype (as Keras
+    returns its compute dtype: float32 for a float32 model trained with bf16-mixed)."""
+    trainer = replicas.trainer
+    dtype = None
+    if trainer is not None and trainer.autocast_dtype is not None:
+        params = replicas.manager.master_parameters() or [
+            p for row in replicas.manager.param_arrays for p in row[:1]]
+        dtype = next((p.dtype for p in params if p.is_floating_point()), None)
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            return t.to("cpu", dtype=dtype, copy=True)
+        return t.to("cpu", copy=True)
+
+    return to_host
+
+
+def _check_validation(val: DataSource, batch: DataBatch, objective: Any, outputs: Any) -> None:
+    """Validation data like the training data (structure, dtypes, trailing shapes without
+    buckets, target range), checked before the first step."""
+    sample = _first_batch(val)
+    if sample is None:
+        return
+    for part, ours, theirs in (("inputs", batch.data, sample.data),
+                               ("targets", batch.label, sample.label)):
+        if tree_structure(ours) != tree_structure(theirs) or (
+                batch.bucket_key is None and _trailing(ours) != _trailing(theirs)):
+            fail("validation_data", f"{part} {_describe(theirs)}",
+                 f"{part} shaped like the training {part} {_describe(ours)}",
+                 "pass validation data in the same form as x and y", described=True)
+    if sample.label is not None:
+        try:
+            objective.check_targets(sample.label)
+        except ValueError as err:
+            raise ValueError(f"validation_data: {err}") from None
+        labels = val.plan().targets
+        problem = objective.label_problem(outputs, sample.label if labels is None else labels)
+        if problem:
+            fail("validation_data", problem, "class indices below the number of outputs",
+                 "check the validation labels", described=True)
+
+
+def _first_batch(source: DataSource) -> DataBatch | None:
+    """The first batch of a validation source, without moving it (None when it cannot be
+    read twice, like a generator)."""
+    if not source.plan().replayable:
+        return None
+    state = source.state_dict()
+    source.set_epoch(0)
+    batch = next(iter(source), None)
+    source.load_state_dict(state)
+    return batch
+
+
+def _trailing(tree: Any) -> Any:
+    return [(tuple(t.shape[1:]), t.dtype) for t in tree_leaves(tree)]
+
+
+def _describe(tree: Any) -> str:
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                     for t in tree_leaves(tree)) or "none"

@@ -1,0 +1,148 @@
+"""Optimizers and schedulers: the forms ``compile`` accepts, and carrying an optimizer from
+one set of replicas to another."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from fitdp.checks import fail
+
+# Callable, not type[Optimizer]: the base class's __init__ takes no ``lr``, these all do.
+OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], float]] = {
+    "sgd": (torch.optim.SGD, 0.01),
+    "adam": (torch.optim.Adam, 1e-3),
+    "adamw": (torch.optim.AdamW, 1e-3),
+    "rmsprop": (torch.optim.RMSprop, 1e-3),
+}
+# The names torch has a fused CUDA kernel for. A fused optimizer takes GradScaler's found-inf
+# flag into its kernel; any other makes GradScaler.step read it on the host (one sync a step).
+FUSED = frozenset({"sgd", "adam", "adamw"})
+
+OptimizerArg = (
+    str
+    | type[torch.optim.Optimizer]
+    | torch.optim.Optimizer
+    | Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer]
+)
+Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler or ReduceLROnPlateau-like: has step()
+_EXPECTED = ("a name such as 'adam', an optimizer class, a callable(params) -> Optimizer or "
+             "an Optimizer instance built on model.module.parameters()")
+
+
+def build_optimizer(optimizer: OptimizerArg, module: nn.Module, lr: float | None, *,
+                    fused: bool = False) -> torch.optim.Optimizer:
+    """The optimizer over every parameter of ``module`` (frozen ones too: torch skips a
+    parameter without a gradient, and one unfrozen later is then stepped as it should be).
+    ``fused``: a name in ``FUSED`` builds torch's fused (CUDA) variant (what ``16-mixed``
+    asks for, see above); other names and the user's own optimizers are left as given.
+
+    Raises:
+        ValueError: an unknown name, or an Optimizer holding parameters of another module.
+        TypeError: an unsupported kind of object, or a callable returning a non-optimizer.
+    """
+    params = list(module.parameters())
+    if isinstance(optimizer, torch.optim.Optimizer):
+        ours = {id(p) for p in params}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in ours:
+                    fail("optimizer", f"an Optimizer holding a parameter of shape "
+                         f"{tuple(p.shape)} that is not in the model's module",
+                         "an Optimizer built on model.module.parameters()",
+                         "build it on model.module.parameters()", described=True)
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        return optimizer
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in OPTIMIZERS:
+            fail("optimizer", optimizer, f"one of {sorted(OPTIMIZERS)}, or {_EXPECTED}")
+        cls, default_lr = OPTIMIZERS[optimizer.lower()]
+        extra = {"fused": True} if fused and optimizer.lower() in FUSED else {}
+        return cls(params, lr=default_lr if lr is None else lr, **extra)
+    if not callable(optimizer):
+        fail("optimizer", optimizer, _EXPECTED, error=TypeError)
+    if isinstance(optimizer, type):
+        # A user's Optimizer subclass: ``lr`` is its own __init__'s, not the base class's.
+        cls = cast(Callable[..., torch.optim.Optimizer], optimizer)
+        return cls(params) if lr is None else cls(params, lr=lr)
+    built = optimizer(params)
+    if not isinstance(built, torch.optim.Optimizer):
+        fail("optimizer", f"a callable that returned {type(built).__name__}",
+             "a callable(params) -> torch.optim.Optimizer", error=TypeError, described=True)
+    return built
+
+
+def bind_optimizer(optimizer: torch.optim.Optimizer, targets: Mapping[int, nn.Parameter]) -> None:
+    """Carry ``optimizer`` (same object, groups and state) over to other parameter objects:
+    the parameters ``id(old) -> new`` in ``targets`` (new replicas, or the host module).
+
+    Works for every optimizer, a user's own class included, because nothing is rebuilt: each
+    group's parameter list is changed in place (so an optimizer that keeps a reference to
+    it, like LBFGS, follows) and the state goes through ``state_dict``/``load_state_dict``,
+    which moves it to the new parameters' device and dtype. A scheduler on ``optimizer``
+    stays valid.
+    """
+    if all(targets.get(id(p), p) is p for g in optimizer.param_groups for p in g["params"]):
+        return
+    state = optimizer.state_dict()
+    for group in optimizer.param_groups:
+        group["params"][:] = [targets.get(id(p), p) for p in group["params"]]
+    optimizer.state = defaultdict(dict)
+    optimizer.load_state_dict(state)
+
+
+def build_scheduler(spec: Any, optimizer: torch.optim.Optimizer) -> tuple[Scheduler, str]:
+    """``compile(lr_scheduler=...)``: a ``callable(optimizer)`` stepped per epoch, or a
+    ``(callable, "step")`` pair stepped per optimizer step.
+
+    Raises:
+        ValueError, TypeError: a malformed spec; whatever the callable raises propagates.
+    """
+    if spec is None:
+        return None, "epoch"
+    interval = "epoch"
+    if isinstance(spec, tuple):
+        if len(spec) != 2 or spec[1] not in ("epoch", "step"):
+            fail("lr_scheduler", spec, "a callable(optimizer) or a (callable, 'step' | "
+                 "'epoch') pair")
+        spec, interval = spec
+    if not callable(spec):
+        fail("lr_scheduler", spec, "a callable(optimizer) -> LRScheduler, e.g. "
+             "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)", error=TypeError)
+    scheduler = spec(optimizer)
+    if not callable(getattr(scheduler, "step", None)):
+        fail("lr_scheduler", f"a callable that returned {type(scheduler).__name__}",
+             "a callable(optimizer) returning a scheduler with step()", error=TypeError,
+             described=True)
+    return scheduler, interval
+
+
+def optimizer_kind_problem(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+                           ) -> str | None:
+    """Why ``state`` (an optimizer ``state_dict``) cannot load into ``optimizer``, or None."""
+    groups = state.get("param_groups")
+    if not isinstance(groups, list) or not isinstance(state.get("state"), Mapping):
+        return "it is not an optimizer state_dict"
+    saved_kind = state.get("fitdp_class")
+    kind = type(optimizer).__name__
+    if saved_kind is not None and saved_kind != kind:
+        return f"it holds {saved_kind} state, but this model's optimizer is {kind}"
+    if len(groups) != len(optimizer.param_groups):
+        return (f"it has {len(groups)} parameter groups, but this model's {kind} has "
+                f"{len(optimizer.param_groups)}")
+    for i, (saved, ours) in enumerate(zip(groups, optimizer.param_groups)):
+        if len(saved["params"]) != len(ours["params"]):
+            return (f"its group {i} has {len(saved['params'])} parameters, but this model's "
+                    f"has {len(ours['params'])}")
+        missing = sorted(set(ours) - set(saved) - {"params"})
+        extra = sorted(set(saved) - set(ours) - {"params"})
+        if missing and extra:
+            return (f"its hyperparameters {extra} are not those of this model's {kind} "
+                    f"({missing}): it comes from another kind of optimizer")
+    return None

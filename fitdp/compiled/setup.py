@@ -1,0 +1,132 @@
+"""What ``Model.compile`` builds: the objective, the optimizer and its schedule, the metrics
+and the precision. Built whole or not at all, so a failing piece changes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitdp.checks import check_choice, check_int, check_number
+from fitdp.compiled.losses import Objective
+from fitdp.compiled.metrics import MetricsArg, MetricSpec, metric_specs
+from fitdp.compiled.optimizers import OptimizerArg, Scheduler, build_optimizer, build_scheduler
+from fitdp.executor.engines import Strategy, check_strategy
+
+PRECISIONS: dict[str, torch.dtype | None] = {
+    "32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
+}
+
+
+# compile=True, or one of torch.compile's modes ("reduce-overhead": CUDA graphs per shape).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    """Everything ``Model.compile`` was given."""
+
+    optimizer: OptimizerArg = "adam"
+    loss: Any = "cross_entropy"
+    metrics: MetricsArg = None
+    lr: float | None = None
+    lr_scheduler: Any = None
+    precision: str = "32"
+    grad_clip_norm: float | None = None
+    grad_accum_steps: int = 1
+    compile: bool | str = False
+    sync_batchnorm: bool = False
+    loss_weights: Sequence[float] | Mapping[str, float] | None = None
+    strategy: Strategy = "auto"
+    weighted_metrics: MetricsArg = None
+
+
+class Compiled:
+    """The compiled training setup of a model.
+
+    Attributes:
+        config: what compile was given.
+        objective: ``(outputs, targets[, sample_weight]) -> loss``.
+        optimizer: built on the host module's parameters (carried to the replicas by the
+            model when they exist).
+        scheduler: the LR scheduler or None; ``interval`` is ``"epoch"`` or ``"step"``.
+        metrics: log key -> metric spec (templates: never updated themselves).
+        autocast_dtype: the autocast dtype of mixed precision, or None.
+        scaler: the GradScaler of ``16-mixed``, made when the model first runs on CUDA.
+
+    Example:
+        >>> t = Compiled.build(nn.Linear(3, 2), CompileConfig(optimizer="sgd", lr=0.5))
+        >>> t.optimizer.param_groups[0]["lr"], t.interval
+        (0.5, 'epoch')
+    """
+
+    def __init__(self, config: CompileConfig, objective: Objective,
+                 optimizer: torch.optim.Optimizer, scheduler: Scheduler, interval: str,
+                 metrics: dict[str, MetricSpec]) -> None:
+        self.config = config
+        self.objective = objective
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.interval = interval
+        self.metrics = metrics
+        self.autocast_dtype = PRECISIONS[config.precision]
+        self.scaler: torch.amp.GradScaler | None = None
+
+    @classmethod
+    def build(cls, module: nn.Module, config: CompileConfig) -> Compiled:
+        """Check every argument and build every piece; raise before anything is kept.
+
+        Raises:
+            ValueError, TypeError: a bad argument, naming it; whatever the optimizer or
+                scheduler factory raises.
+        """
+        check_choice("precision", config.precision, tuple(PRECISIONS))
+        if config.grad_clip_norm is not None:
+            check_number("grad_clip_norm", config.grad_clip_norm, low=0, low_open=True)
+        check_int("grad_accum_steps", config.grad_accum_steps, 1)
+        lr = None if config.lr is None else check_number(
+            "lr", config.lr, low=0, fix="pass a learning rate >= 0 (0 freezes the weights)")
+        if not isinstance(config.compile, bool):
+            check_choice("compile", config.compile, COMPILE_MODES)
+        if not isinstance(config.sync_batchnorm, bool):
+            check_choice("sync_batchnorm", config.sync_batchnorm, (True, False))
+        check_strategy(config.strategy)
+        objective = Objective(config.loss, config.loss_weights)
+        metrics = metric_specs(config.metrics, config.weighted_metrics,
+                               objective.binary_outputs())
+        # 16-mixed runs on CUDA only: a fused optimizer there spares GradScaler a sync a step.
+        optimizer = build_optimizer(config.optimizer, module, lr,
+                                    fused=config.precision == "16-mixed")
+        scheduler, interval = build_scheduler(config.lr_scheduler, optimizer)
+        return cls(config, objective, optimizer, scheduler, interval, metrics)
+
+    @property
+    def learning_rate(self) -> float | None:
+        """The first parameter group's learning rate (the ``lr`` log key), or None."""
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+        return float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
+
+    def loss_scale(self) -> Any:
+        """What ``backward`` multiplies each loss by: ``1 / grad_accum_steps`` (the update is
+        the mean over the accumulated batches), times the 16-mixed loss scale."""
+        accum = self.config.grad_accum_steps
+        scaler = self.scaler
+        if scaler is not None:
+            return lambda loss: scaler.scale(loss / accum)
+        if accum > 1:
+            return lambda loss: loss / accum
+        return None
+
+    def step_scheduler(self, interval: str) -> None:
+        """Step the scheduler if it runs per ``interval`` ("epoch" or "step")."""
+        if self.scheduler is None or self.interval != interval:
+            return
+        with warnings.catch_warnings():
+            # A run resumed at an epoch's end steps the scheduler before any optimizer step
+            # of this process: the order is right, torch's warning is not.
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+            self.scheduler.step()

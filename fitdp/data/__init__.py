@@ -1,0 +1,2 @@
+"""Data: ``DataBatch``/``DataDesc``, the ``DataSource`` protocol and its sources, and
+bucketing for variable-length data."""

@@ -1,0 +1,76 @@
+"""Turning what a user passes (numpy arrays, tensors, nested tuples/dicts) into tensors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from fitdp.checks import check_number, fail
+from fitdp.data.batch import batch_length, tree_map
+
+
+def as_tensors(x: Any, name: str) -> Any:
+    """numpy arrays -> tensors (float64 -> float32, as Keras does); validate the nesting.
+
+    Raises:
+        TypeError: naming ``name``, for anything but tensors, arrays and tuples/lists/dicts
+            of them.
+    """
+    if isinstance(x, np.ndarray):
+        t = torch.from_numpy(x)
+        return t.float() if t.dtype == torch.float64 else t
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, Mapping):
+        return {k: as_tensors(v, f"{name}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, (tuple, list)) and x and all(
+        isinstance(v, (torch.Tensor, np.ndarray, Mapping, tuple, list)) for v in x
+    ):
+        return tuple(as_tensors(v, f"{name}[{i}]") for i, v in enumerate(x))
+    fail(name, x, "a tensor, a numpy array, or a tuple/list/dict of them", error=TypeError)
+
+
+def leaves_with_names(tree: Any, name: str) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of a tree, named like ``x[0]`` or ``x['ids']``."""
+    if isinstance(tree, torch.Tensor):
+        return [(name, tree)]
+    if tree is None:
+        return []
+    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
+    return [p for k, v in items for p in leaves_with_names(v, f"{name}[{k!r}]")]
+
+
+def check_rows(tree: Any, name: str, rows: int, first: str = "x") -> None:
+    """Every tensor of ``tree`` has ``rows`` rows, else a ValueError naming both lengths."""
+    for leaf_name, leaf in leaves_with_names(tree, name):
+        got = leaf.shape[0] if leaf.dim() else 0
+        if got != rows:
+            fail(leaf_name, f"{got} rows", f"{rows} rows, one per sample of {first}",
+                 f"pass {first} and {name} of the same length", described=True)
+
+
+def split_validation(fraction: Any, *trees: Any) -> tuple[list[Any], list[Any]]:
+    """Keras's ``validation_split``: the first ``floor(n * (1 - fraction))`` samples train,
+    the rest validate, taken before any shuffling (so every tree is cut at the same row).
+
+    Returns:
+        ``(train trees, validation trees)``, None trees kept as None.
+
+    Raises:
+        TypeError, ValueError: ``fraction`` is not a number in (0, 1), or a split is empty.
+    """
+    f = check_number("validation_split", fraction, low=0, high=1, low_open=True,
+                     high_open=True)
+    n = batch_length(trees[0])
+    # Keras 3 (``train_validation_split``): split_at = floor(num_samples * (1 - split)).
+    cut = int(math.floor(n * (1.0 - f)))
+    if cut <= 0 or cut >= n:
+        fail("validation_split", fraction, f"a fraction that leaves at least one of the {n} "
+             f"samples on each side (it gives {cut} to train, {n - cut} to validate)")
+    head, tail = slice(0, cut), slice(cut, n)
+    return ([tree_map(lambda t: t[head], t) for t in trees],
+            [tree_map(lambda t: t[tail], t) for t in trees])

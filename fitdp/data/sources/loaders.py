@@ -1,0 +1,144 @@
+"""Data that comes in batches: a DataLoader, a Dataset, any iterable of batches, a generator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from fitdp.data.batch import DataBatch, tree_structure
+from fitdp.data.sources.convert import as_tensors
+from fitdp.data.sources.protocol import SourcePlan
+from fitdp.data.sources.tensors import epoch_generator
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """Sample order as a function of (seed, epoch) alone, so a resumed run sees the same order."""
+
+    def __init__(self, n: int, *, seed: int, shuffle: bool) -> None:
+        self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.n))
+        order = torch.randperm(self.n, generator=epoch_generator(self.seed, self.epoch))
+        return iter(order.tolist())
+
+
+class LoaderSource:
+    """Batches from a user's DataLoader, re-iterable object or one-shot iterator, as they are.
+
+    Each item is a ``DataBatch``, an ``(x, y)`` pair or an ``(x, y, sample_weight)`` triple
+    (``x`` alone, or ``(x,)``, when predicting). Every batch must have the structure of the
+    first, so a loader that changes shape mid-epoch fails clearly, not deep in the model.
+
+    A re-iterable object (a DataLoader, a list) starts over at every ``set_epoch``. A one-shot
+    iterator (a generator: ``iter(g) is g``) cannot: every epoch takes the next batches from
+    it, which is how an endless generator trains with ``steps_per_epoch`` (Keras semantics).
+
+    Example:
+        >>> src = LoaderSource([(torch.zeros(2, 3), torch.zeros(2))])
+        >>> [b.batch_size for b in src]
+        [2]
+    """
+
+    def __init__(self, loader: Iterable[Any], *, has_labels: bool = True) -> None:
+        self.loader = loader
+        self.has_labels = has_labels
+        self.one_shot = iter(loader) is loader
+        self.structure: Any = None
+        self.epoch = 0
+        self.position = 0  # batches consumed: in this epoch, or in all (one-shot)
+        self.epoch_rng: torch.Tensor | None = None
+        self._live: Iterator[Any] | None = None
+
+    @property
+    def num_batches(self) -> int | None:
+        try:
+            return len(self.loader)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def plan(self) -> SourcePlan:
+        dataset = getattr(self.loader, "dataset", None)
+        try:
+            n = len(dataset) if dataset is not None else None  # type: ignore[arg-type]
+        except TypeError:
+            n = None
+        return SourcePlan(num_samples=n, replayable=not self.one_shot)
+
+    def set_epoch(self, epoch: int) -> None:
+        sampler: Any = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        self.epoch = epoch
+        if not self.one_shot:
+            self.position, self._live = 0, None
+
+    def __iter__(self) -> Iterator[DataBatch]:
+        if self._live is None:
+            self._live = self._start()
+        for item in self._live:
+            self.position += 1
+            yield item if isinstance(item, DataBatch) else self._to_batch(item)
+        self._live = None if not self.one_shot else self._live
+
+    def _start(self) -> Iterator[Any]:
+        """A fresh iterator, past the batches already consumed (resuming mid-epoch)."""
+        # A shuffling DataLoader draws its order from torch's global RNG when the iterator is
+        # made: remember that state, so a run resumed mid-epoch replays the same order.
+        now = torch.get_rng_state()
+        if self.position > 0 and self.epoch_rng is not None:
+            torch.set_rng_state(self.epoch_rng)
+        self.epoch_rng = torch.get_rng_state()
+        batches = iter(self.loader)
+        torch.set_rng_state(now)
+        for _ in range(self.position):
+            next(batches, None)  # trained before the stop
+        return batches
+
+    def _to_batch(self, item: Any) -> DataBatch:
+        i = self.position - 1
+        pair = isinstance(item, (tuple, list))
+        w = None
+        if self.has_labels:
+            if not (pair and len(item) in (2, 3)):
+                raise ValueError(
+                    f"x: batch {i} of the {type(self.loader).__name__} is "
+                    f"{type(item).__name__}{f' of length {len(item)}' if pair else ''}; "
+                    f"expected (inputs, targets) pairs or (inputs, targets, sample_weight) "
+                    f"triples. Fix: make the dataset return (x, y)."
+                )
+            x, y = item[0], item[1]
+            w = item[2] if len(item) == 3 else None
+        else:
+            x, y = (item[0], None) if pair and len(item) in (1, 2, 3) else (item, None)
+        x = as_tensors(x, "x")
+        y = None if y is None else as_tensors(y, "y")
+        w = None if w is None else as_tensors(w, "sample_weight")
+        structure = (tree_structure(x), tree_structure(y), tree_structure(w))
+        if self.structure is None:
+            self.structure = structure
+        elif structure != self.structure:
+            raise ValueError(
+                f"x: batch {i} of the {type(self.loader).__name__} has structure {structure}, "
+                f"but the first batch had {self.structure}; every batch must hold the same "
+                f"tensors (same nesting, rank and dtype). Fix: make the dataset/collate_fn "
+                f"return one format."
+            )
+        return DataBatch(x, y, sample_weight=w)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "rng": self.epoch_rng}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.epoch_rng = state.get("rng")
+        self._live = None

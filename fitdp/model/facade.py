@@ -1,0 +1,353 @@
+"""``fitdp.Model``: compile / fit / evaluate / predict over the data-parallel executor manager."""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitdp.call.plan import CallPlan, legacy_data, plan_call, plan_fit
+from fitdp.call.ranks import DEFAULT_TIMEOUT
+from fitdp.call.replicas import Placement, Replicas
+from fitdp.call.run_state import RunState
+from fitdp.call.session import Session
+from fitdp.callbacks import Callback, History
+from fitdp.checks import FitdpWarning, fail
+from fitdp.compiled.metrics import MetricsArg
+from fitdp.compiled.optimizers import OptimizerArg
+from fitdp.compiled.setup import CompileConfig, Compiled
+from fitdp.executor.devices import DevicesArg
+from fitdp.executor.engines import Strategy
+from fitdp.executor.interrupts import GUARD
+from fitdp.executor.monitor import Monitor
+from fitdp.model.extras import ModelExtras, keras_logs
+from fitdp.model.saving import ModelIO
+from fitdp.saving.async_writer import AsyncCheckpointWriter
+from fitdp.saving.entries import RNG
+from fitdp.sequence import PAD_VALUE, check_pad_args
+
+
+class Model(ModelIO, ModelExtras):
+    """A Keras-style facade over a ``torch.nn.Module``, trained data-parallel.
+
+    Args:
+        module: the network. Between calls it holds the trained, device-averaged weights.
+        bucket_module: ``callable(bucket_key) -> nn.Module`` for variable-length data; the
+            module it returns shares every parameter and buffer by name with ``module``.
+
+    The model's run state (epoch, steps, stop flags) is ``model.run``; its worker threads
+    are released by ``close()``, at the end of a ``with`` block, or when it is collected.
+
+    Example:
+        >>> net = nn.Linear(4, 3)
+        >>> model = Model(net)
+        >>> model.compile(optimizer="sgd", loss="cross_entropy")
+        >>> h = model.fit(torch.randn(64, 4), torch.randint(0, 3, (64,)), epochs=2, verbose=0)
+        >>> len(h.history["loss"])
+        2
+    """
+
+    def __init__(
+        self, module: nn.Module, *, bucket_module: Callable[[Any], nn.Module] | None = None
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            fail("module", module, "a torch.nn.Module", error=TypeError)
+        if bucket_module is not None and not callable(bucket_module):
+            fail("bucket_module", bucket_module, "a callable(bucket_key) -> nn.Module",
+                 error=TypeError)
+        self.module = module
+        self.bucket_module = bucket_module
+        self.run = RunState()
+        self.is_main_process = True
+        self.history: History | None = None
+        self._trainer: Compiled | None = None
+        self._replicas: Replicas | None = None
+        self._session: Session | None = None
+        self._writer: AsyncCheckpointWriter | None = None  # async saves, made on first use
+        self.example_inputs: Any = None  # one CPU row of the last call's inputs (summary)
+
+    # -- what callbacks and users read ------------------------------------------------------
+
+    stop_training = property(lambda self: self.run.stop_training,
+                             lambda self, v: setattr(self.run, "stop_training", bool(v)),
+                             doc="Set by a callback to end fit after the current batch.")
+    stop_evaluating = property(lambda self: self.run.stop_evaluating,
+                               lambda self, v: setattr(self.run, "stop_evaluating", bool(v)))
+    stop_predicting = property(lambda self: self.run.stop_predicting,
+                               lambda self, v: setattr(self.run, "stop_predicting", bool(v)))
+    global_step = property(lambda self: self.run.global_step,
+                           doc="Optimizer steps done over the model's life.")
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer (exists right after ``compile``)."""
+        return self._trainer.optimizer if self._trainer is not None else None
+
+    @property
+    def work_load_list(self) -> list[float] | None:
+        """Each device's share of a batch on the replicas in use (measured with
+        ``work_load_list="auto"``), or None before the first call."""
+        return self._replicas.manager.work_load_list if self._replicas is not None else None
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The scheduler of ``compile(lr_scheduler=...)``, or None."""
+        return self._trainer.scheduler if self._trainer is not None else None
+
+    # -- compile, fit, evaluate, predict ------------------------------------------------------
+
+    def compile(
+        self,
+        optimizer: OptimizerArg = "adam",
+        loss: Any = "cross_entropy",
+        metrics: MetricsArg = None,
+        *,
+        lr: float | None = None,
+        lr_scheduler: Any = None,
+        precision: str = "32",
+        grad_clip_norm: float | None = None,
+        grad_accum_steps: int = 1,
+        compile: bool | str = False,
+        sync_batchnorm: bool = False,
+        loss_weights: Sequence[float] | dict[str, float] | None = None,
+        strategy: Strategy = "auto",
+        weighted_metrics: MetricsArg = None,
+    ) -> None:
+        """Choose the optimizer, loss and metrics (see API.md); resets the optimizer state.
+
+        ``loss`` may be a list or dict of losses for a module with several outputs, summed
+        with ``loss_weights``; Keras's loss and metric names work too, on logits (see
+        ``docs/metrics.md``). ``metrics`` may give a list per output (a dict of lists, or a
+        list of lists); ``weighted_metrics`` (Keras names) are updated with the sample and
+        class weights. ``compile``: True or a ``torch.compile`` mode such as
+        ``"reduce-overhead"`` (CUDA graphs). ``sync_batchnorm``: under torch.distributed on
+        CUDA, BatchNorm
+        layers become ``torch.nn.SyncBatchNorm``. ``strategy``: how ranks share the work under
+        torchrun, ``"auto"`` (DDP when each rank drives one device, else fitdp's own
+        reduction), ``"ddp"``, ``"fsdp"`` (FSDP2), or ``fitdp.DDP(...)``/``fitdp.FSDP(...)``
+        with options (docs/distributed.md). Every argument is checked and every piece
+        built before anything changes.
+        """
+        if self._session is not None:
+            raise RuntimeError("compile: called during fit/evaluate/predict (from a callback);"
+                               " compile before or after the call")
+        trainer = Compiled.build(self.module, CompileConfig(
+            optimizer, loss, metrics, lr, lr_scheduler, precision, grad_clip_norm,
+            grad_accum_steps, compile, sync_batchnorm, loss_weights, strategy=strategy,
+            weighted_metrics=weighted_metrics))
+        self._release()
+        self._trainer = trainer
+
+    def fit(self, x: Any = None, y: Any = None, *, batch_size: int = 32, epochs: int = 1,
+            verbose: int | str = "auto", callbacks: Sequence[Callback] | None = None,
+            validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
+            class_weight: dict[int, float] | None = None, sample_weight: Any = None,
+            initial_epoch: int = 0, steps_per_epoch: int | None = None,
+            validation_steps: int | None = None, validation_batch_size: int | None = None,
+            validation_freq: int | Sequence[int] = 1, devices: DevicesArg = "auto",
+            work_load_list: Sequence[float] | str | None = None, seed: int | None = None,
+            monitor: Monitor | None = None, resume: Any = None, log_every: int = 50,
+            timeout: float = DEFAULT_TIMEOUT, **legacy: Any) -> History:
+        """Train for ``epochs`` epochs; returns the ``History`` (see API.md and Keras's fit).
+
+        ``seed`` fixes the data order and torch's generator (dropout) for this fit: the same
+        seed gives bit-for-bit the same run on the same devices. ``log_every``: batches
+        between host reads of loss and metrics on GPU. ``timeout``: seconds a collective may
+        wait under torch.distributed before every rank fails.
+        """
+        trainer = self._compiled("fit")
+        plan = plan_fit(
+            self, legacy_data(x, legacy, "fit"), y, sample_weight, batch_size=batch_size,
+            epochs=epochs, verbose=verbose, callbacks=callbacks,
+            validation_split=validation_split, validation_data=validation_data,
+            shuffle=shuffle, class_weight=class_weight, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+            devices=devices, work_load_list=work_load_list, seed=seed, monitor=monitor,
+            resume=resume, log_every=log_every, timeout=timeout)
+        run, cbs = self.run, plan.callbacks
+        self._trained_on = plan.source.plan()  # export's batch and sequence axes
+        with self._call(plan, trainer) as session:
+            run.begin_fit(initial_epoch)
+            session.start_fit()
+            saved = self._resume(plan.resume) if plan.resume else None
+            if saved is None and seed is not None:
+                torch.manual_seed(seed)  # dropout masks: reproducible with the seed
+            logs: dict[str, float] = {}
+            cbs.call("on_train_begin", logs)
+            if saved is not None:
+                cbs.load_state_dict(saved.get("callbacks") or {})
+                RNG.load_state_dict(saved["rng"])  # last: nothing above may draw from it
+            for epoch in range(run.next_epoch, plan.epochs):
+                run.begin_epoch(epoch)
+                cbs.call("on_epoch_begin", epoch, {})
+                logs = session.train_epoch()
+                if plan.validates(epoch):
+                    val = session.test_pass(plan.val, cbs, plan.val_steps)  # type: ignore[arg-type]
+                    logs.update({f"val_{k}": v for k, v in val.items()})
+                session.end_epoch(logs)
+                cbs.call("on_epoch_end", epoch, logs)
+                if run.stop_training:
+                    break
+            cbs.call("on_train_end", logs)
+            self.wait_for_saves()
+        self.history = cbs.history
+        return cbs.history
+
+    def evaluate(self, x: Any = None, y: Any = None, *, batch_size: int = 32,
+                 verbose: int | str = "auto", sample_weight: Any = None,
+                 steps: int | None = None, callbacks: Sequence[Callback] | None = None,
+                 return_dict: bool = True, devices: DevicesArg = "auto",
+                 work_load_list: Sequence[float] | str | None = None, **legacy: Any
+                 ) -> dict[str, float] | list[float] | float:
+        """Loss and every metric over the data, from its start: ``{"loss": ...,
+        "<metric>": ...}`` (exact over every rank under torch.distributed). With
+        ``return_dict=False``, Keras's form: the loss alone, or ``[loss, *metrics]``."""
+        trainer = self._compiled("evaluate")
+        plan = plan_call(self, legacy_data(x, legacy, "evaluate"), y, sample_weight,
+                         batch_size=batch_size, verbose=verbose, callbacks=callbacks,
+                         steps=steps, devices=devices, has_labels=True,
+                         work_load_list=work_load_list)
+        with self._call(plan, trainer) as session:
+            logs = session.test_pass(plan.source, plan.callbacks, plan.steps)
+        return keras_logs(logs, trainer, return_dict)
+
+    def predict(self, x: Any = None, *, batch_size: int = 32, verbose: int | str = 0,
+                steps: int | None = None, callbacks: Sequence[Callback] | None = None,
+                devices: DevicesArg = "auto", work_load_list: Sequence[float] | str | None = None,
+                pad_value: float = PAD_VALUE, ragged: bool = False, **legacy: Any) -> Any:
+        """Outputs for every sample, one row per input sample, in input order, on the CPU
+        (under torch.distributed: all rows, on every rank). Needs no compile. Outputs of
+        several lengths (a per-token tagger over buckets) are padded at their end with
+        ``pad_value`` to the longest; ``ragged=True`` returns a list of per-sample outputs."""
+        check_pad_args(pad_value, ragged)
+        plan = plan_call(self, legacy_data(x, legacy, "predict"), None, None,
+                         batch_size=batch_size, verbose=verbose, callbacks=callbacks,
+                         steps=steps, devices=devices, has_labels=False,
+                         work_load_list=work_load_list)
+        with self._call(plan, self._trainer) as session:
+            return session.predict_pass(plan.source, plan.callbacks, plan.steps,
+                                        pad_value=pad_value, ragged=ragged)
+
+    # -- one call's lifecycle -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _call(self, plan: CallPlan, trainer: Compiled | None) -> Iterator[Session]:
+        """Run a call on replicas for its placement. On any error or interrupt the model is
+        left as after its last completed optimizer step; the host module always ends with
+        the averaged weights and the train/eval mode it had."""
+        if self._session is not None:
+            raise RuntimeError("fit/evaluate/predict: called from inside another call (a "
+                               "callback); run it after the current call returns")
+        training = self.module.training
+        positions = [(s, s.state_dict()) for s in plan.borrowed]
+        plan.join()  # under torchrun: the process group, and every rank's data compared
+        replicas = self._attach(plan.placement, trainer)
+        for source in (plan.source, getattr(plan, "val", None)):
+            if source is not None:
+                replicas.prepare(source.plan())
+        session = Session(trainer, replicas, self.run, plan)
+        self._session = session
+        try:
+            with GUARD.installed():
+                yield session
+        except BaseException as err:
+            session.rollback()
+            try:  # checkpoints saved before the failure are on disk when it surfaces
+                self.wait_for_saves()
+            except Exception as save_err:  # noqa: BLE001 - the call's own error wins
+                warnings.warn(f"a background checkpoint save failed too: {save_err!r}",
+                              FitdpWarning, stacklevel=3)
+            plan.ranks.report_failure(err)
+            raise
+        finally:
+            self._session = None
+            if session.example_inputs is not None:
+                self.example_inputs = session.example_inputs
+            session.close()
+            for source, position in positions:  # read from the start, given back unmoved
+                source.load_state_dict(position)
+            replicas.store_host(self.module)
+            if self.module.training is not training:
+                self.module.train(training)
+
+    def _attach(self, placement: Placement, trainer: Compiled | None) -> Replicas:
+        """The replicas for ``placement`` (reused when they fit), holding the host weights,
+        with the optimizer bound to them. Built whole before the old ones go."""
+        current = self._replicas
+        if current is not None and current.fits(self.module, placement, trainer):
+            current.load_host(self.module)
+            return current
+        if placement.default_bucket_key is None and current is not None:
+            placement = Placement(placement.devices, placement.work_load_list,
+                                  placement.ranks, current.placement.default_bucket_key)
+        self._release()
+        replicas = Replicas(self.module, self.bucket_module, placement, self._trainer)
+        if self._trainer is not None:
+            replicas.bind(self._trainer.optimizer, self.module, to_host=False)
+        self._replicas = replicas
+        replicas.load_host(self.module)
+        return replicas
+
+    def _release(self) -> None:
+        """Drop the replicas: their weights averaged into the host module, the optimizer
+        carried back to the host's parameters, their threads stopped."""
+        replicas, self._replicas = self._replicas, None
+        if replicas is None:
+            return
+        replicas.store_host(self.module)
+        if replicas.trainer is not None:
+            replicas.bind(replicas.trainer.optimizer, self.module, to_host=True)
+        replicas.close()
+
+    def _compiled(self, what: str) -> Compiled:
+        if self._trainer is None:
+            raise RuntimeError(f"{what}: the model is not compiled. Fix: call model.compile("
+                               f"optimizer=..., loss=..., metrics=...) before model.{what}().")
+        return self._trainer
+
+    def close(self) -> None:
+        """Release the replicas and their worker threads (the weights stay in ``module``);
+        wait for background saves. The model stays usable: a later call starts new ones."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()  # waits for the last save; raises its error
+        self._release()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A trained Model pickles as its module, compiled setup, run state and history (no
+        replicas or threads: a later call makes new ones)."""
+        self._release()
+        for what, obj in self._pickle_parts():
+            try:
+                pickle.dumps(obj)
+            except Exception as err:  # noqa: BLE001 - which part fails is the message
+                raise TypeError(
+                    f"Model cannot be pickled: {what} holds {obj!r}, which pickle cannot "
+                    f"store ({type(err).__name__}: {err}). Fix: use module-level functions "
+                    f"instead of lambdas or local functions there, or save with "
+                    f"model.save(path) and torch.save(model.module, ...)."
+                ) from err
+        state = dict(self.__dict__)
+        state.update(_replicas=None, _session=None, _writer=None)
+        return state
+
+    def _pickle_parts(self) -> list[tuple[str, Any]]:
+        parts: list[tuple[str, Any]] = [("bucket_module", self.bucket_module)]
+        if self._trainer is not None:
+            cfg = self._trainer.config
+            parts += [("compile(optimizer=...)", cfg.optimizer), ("compile(loss=...)", cfg.loss),
+                      ("compile(lr_scheduler=...)", cfg.lr_scheduler),
+                      ("the LR scheduler", self._trainer.scheduler)]
+        return parts

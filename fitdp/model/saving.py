@@ -1,0 +1,254 @@
+"""The part of ``fitdp.Model`` that moves weights in and out: checkpoints, weights, export."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fitdp.call.plan import FitPlan
+from fitdp.checks import check_choice, check_path
+from fitdp.compiled.setup import PRECISIONS
+from fitdp.data.sources import SourcePlan
+from fitdp.saving.async_writer import AsyncCheckpointWriter
+from fitdp.saving.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fitdp.saving.entries import (
+    RNG,
+    OptimizerState,
+    Skipped,
+    Stateful,
+    check_weights,
+    restore,
+    snapshot,
+    warn_skipped,
+)
+from fitdp.saving.export import export_module
+from fitdp.saving.weights_file import load_weights_file, save_weights_file
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fitdp.call.replicas import Replicas
+    from fitdp.call.run_state import RunState
+    from fitdp.call.session import Session
+    from fitdp.compiled.setup import Compiled
+
+
+class ModuleState:
+    """The model's weights as a checkpoint entry: saved averaged over the replicas, loaded
+    into the host module and every replica after every name, shape and dtype is checked."""
+
+    def __init__(self, model: ModelIO, origin: str, *, strict: bool = True,
+                 error: type[Exception] = CheckpointError) -> None:
+        self.model, self.origin, self.strict, self.error = model, origin, strict, error
+        self.skipped = Skipped([], [], [])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        self.model._sync_host()
+        # The host tensors themselves, no copy: a save serialises them before returning.
+        return self.model.module.state_dict()
+
+    def problem(self, state: Any) -> None:
+        """Raises ``error`` (naming the first mismatching tensor) when ``state`` does not fit."""
+        check_weights(self.model.module.state_dict(), state, origin=self.origin,
+                      strict=self.strict, error=self.error)
+
+    def load_state_dict(self, state: Any) -> None:
+        model = self.model
+        load, self.skipped = check_weights(model.module.state_dict(), state, origin=self.origin,
+                                           strict=self.strict, error=self.error)
+        model._sync_host()
+        model.module.load_state_dict(load, strict=False)
+        if model._replicas is not None:
+            model._replicas.load_host(model.module)
+
+
+class ModelIO:
+    """Checkpoints, weights and export for ``fitdp.Model`` (mixed into it)."""
+
+    module: nn.Module
+    run: RunState
+    is_main_process: bool
+    _trainer: Compiled | None
+    _replicas: Replicas | None
+    _session: Session | None
+    _writer: AsyncCheckpointWriter | None
+    # What the last fit trained on (its source's plan: layout, buckets), for export's axes.
+    _trained_on: SourcePlan | None = None
+
+    def _sync_host(self) -> None:
+        """Average the replicas into the host module (a no-op with the module as replica)."""
+        if self._replicas is not None:
+            self._replicas.store_host(self.module)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _checkpoint_objects(self, origin: str, *, strict: bool = True) -> dict[str, Stateful]:
+        """The objects a checkpoint is made of, in load order; each saves itself."""
+        objects: dict[str, Stateful] = {"module": ModuleState(self, origin, strict=strict)}
+        trainer = self._trainer
+        if trainer is not None:
+            objects["optimizer"] = OptimizerState(trainer.optimizer)
+            for key in ("scheduler", "scaler"):
+                if getattr(trainer, key) is not None:
+                    objects[key] = getattr(trainer, key)
+        objects["run"] = self.run
+        session = self._session
+        if session is not None and isinstance(session.plan, FitPlan):
+            objects["data"] = session.data_position()
+            objects["callbacks"] = session.plan.callbacks
+        objects["rng"] = RNG
+        return objects
+
+    def save(self, path: str | os.PathLike[str], *, async_save: bool = False) -> None:
+        """Write a checkpoint to ``path`` atomically (only the main process writes).
+
+        It holds the device-averaged weights, optimizer, scheduler and scaler state, the
+        position in the run (epoch, step, position in the epoch), data order, callback and
+        RNG states: ``fit(resume=path)`` continues exactly. Loads with
+        ``torch.load(weights_only=True)``. Taken between optimizer steps: batches of an
+        unfinished gradient accumulation are trained again on resume.
+
+        With ``async_save``, the state is copied to host memory and the call returns; a
+        background thread writes, fsyncs and renames it (still atomic). At most one save is
+        in flight (the next waits for it); a background save's error is raised by the next
+        ``save``, by ``wait_for_saves()`` and at the end of ``fit``, which returns only once
+        the last save is on disk.
+
+        Raises:
+            ValueError: ``path`` is a folder or a special file. OSError: the write failed
+                (the previous file is untouched).
+        """
+        path = check_path("path", path)
+        state = snapshot(self._checkpoint_objects(path))
+        if not self.is_main_process:
+            return
+        if async_save:
+            if self._writer is None:
+                self._writer = AsyncCheckpointWriter()
+            self._writer.submit(path, state)
+        else:
+            self.wait_for_saves()  # files land in the order they were asked for
+            save_checkpoint(path, state)
+
+    def wait_for_saves(self) -> None:
+        """Block until every checkpoint this model wrote is on disk.
+
+        Raises:
+            OSError (or what the write raised): a background save failed.
+        """
+        if self._writer is not None:
+            self._writer.wait()
+
+    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> Skipped:
+        """Restore weights (into every replica) and, when compiled, optimizer, scheduler and
+        scaler state.
+
+        Every tensor's name, shape and dtype (and the optimizer's kind) is checked before
+        anything is written: a checkpoint of another model changes nothing.
+
+        Args:
+            path: a checkpoint written by ``save`` (or a checkpoint callback).
+            strict: with False, load the tensors that match and skip the rest (listed in the
+                returned ``Skipped`` and a warning).
+
+        Raises:
+            fitdp.CheckpointError: not a sound fitdp checkpoint, or one that does not fit.
+        """
+        path = check_path("path", path, must_exist=True)
+        objects = self._checkpoint_objects(path, strict=strict)
+        parts = ("module", "optimizer", "scheduler", "scaler")
+        keep: dict[str, Stateful] = {k: objects[k] for k in parts if k in objects}
+        restore(keep, load_checkpoint(path), path)
+        skipped = keep["module"].skipped  # type: ignore[attr-defined]
+        warn_skipped(skipped, path)
+        return skipped
+
+    def _resume(self, path: str) -> dict[str, Any]:
+        """Continue a run from ``path``: everything but the callbacks and the RNG, which
+        ``fit`` restores later (after ``on_train_begin``; right before the first batch)."""
+        state = load_checkpoint(path)
+        objects = self._checkpoint_objects(path)
+        later = ("callbacks", "rng")
+        restore({k: v for k, v in objects.items() if k not in later}, state, path,
+                required=("module", "run"))
+        session = self._session
+        if session is not None:
+            cbs = session.plan.callbacks
+            resumed = {"path": path, "epoch": self.run.next_epoch,
+                       "step": self.run.global_step}
+            cbs.set_params({**getattr(cbs, "_params", {}), "resumed": resumed})
+        return state
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """Host copies of every parameter and buffer, averaged over devices."""
+        self._sync_host()
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def set_weights(self, weights: dict[str, torch.Tensor], *, strict: bool = True) -> Skipped:
+        """Load ``weights`` (by name) into the host module and every replica.
+
+        Raises:
+            ValueError: a name, shape or dtype that does not match (nothing is written).
+        """
+        entry = ModuleState(self, "set_weights(weights)", strict=strict, error=ValueError)
+        entry.load_state_dict(weights)
+        warn_skipped(entry.skipped, "set_weights")
+        return entry.skipped
+
+    def save_weights(self, path: str | os.PathLike[str]) -> None:
+        """Write the device-averaged weights alone (Keras's ``save_weights``): a
+        ``.safetensors`` file (no pickle; any safetensors reader loads it; needs
+        ``pip install "fitdp[safetensors]"``) or, for any other name, a sealed fitdp weights
+        file. A checkpoint (``save``) stays the format for resuming. Only the main process
+        writes."""
+        path = check_path("path", path)
+        self._sync_host()
+        if self.is_main_process:
+            self.wait_for_saves()
+            save_weights_file(path, self.module.state_dict())
+
+    def load_weights(self, path: str | os.PathLike[str], *, strict: bool = True) -> Skipped:
+        """Load weights written by ``save_weights`` (or any safetensors file) into the host
+        module and every replica, after checking every name, shape and dtype.
+
+        Raises:
+            fitdp.CheckpointError: a damaged or foreign file, or weights that do not fit
+                (nothing is written); ``strict=False`` loads what fits instead.
+        """
+        path = check_path("path", path, must_exist=True)
+        entry = ModuleState(self, path, strict=strict)
+        entry.load_state_dict(load_weights_file(path))
+        warn_skipped(entry.skipped, path)
+        return entry.skipped
+
+    def nonfinite_weights(self) -> list[str]:
+        """Names of floating-point weights holding NaN or inf (no copy; one host sync)."""
+        self._sync_host()
+        return [k for k, t in self.module.state_dict().items()
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+    def export(self, path: str | os.PathLike[str], example_inputs: Any, *,
+               precision: str = "32", dynamic_shapes: Any = None) -> None:
+        """Write a single-device predictor (``torch.export``, dynamic batch) of the averaged
+        weights in eval mode; load it with ``fitdp.load_predictor(path)``. ``precision``:
+        ``"32"`` (fp32, the default, whatever the training precision) or the mixed precision
+        the model trained with (``"bf16-mixed"``, ``"16-mixed"``: forward under autocast, as
+        ``predict`` runs it).
+
+        ``dynamic_shapes`` (torch.export's) is used as given. Without it the batch axis is
+        dynamic, on the ``N`` of the layout the model was last fit on (time-major data:
+        axis 1), and for a model fit on buckets (a ``BucketIterator``) the sequence axis too
+        (see ``fitdp.saving.export.export_module``)."""
+        check_choice("precision", precision, tuple(PRECISIONS),
+                     "pass the precision given to compile, e.g. precision='bf16-mixed'")
+        self._sync_host()
+        trained = self._trained_on
+        descs = list(trained.inputs) if trained is not None else []
+        layout = descs[0].layout if descs else None
+        export_module(self.module, path, example_inputs, autocast_dtype=PRECISIONS[precision],
+                      dynamic_shapes=dynamic_shapes, layout=layout,
+                      sequence=bool(trained and trained.bucket_keys))

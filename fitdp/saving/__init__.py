@@ -1,0 +1,2 @@
+"""Everything written to disk: checkpoint entries and files, the seal, atomic and
+background writers, weights files and export."""

@@ -1,0 +1,220 @@
+"""Checkpoint saves that do not stall training: a host snapshot now, the file on a thread.
+
+``AsyncCheckpointWriter.submit`` copies every tensor of the state into host buffers (reused
+from the previous save when the sizes match, so a save costs a memcpy, not an allocation) and
+returns; a background thread writes the same file :func:`fitdp.saving.checkpoint.save_checkpoint`
+would, with the same atomic write. The GIL-heavy part of a save (torch's CRC pass over every
+byte) is not done on that thread: ``fitdp.saving.seal`` computes CRCs with ``zlib``, which releases
+the GIL, so training threads keep running while the file is written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+import torch
+
+from fitdp.checks import check_path, fail
+from fitdp.saving.checkpoint import check_state, write_checkpoint
+
+__all__ = ["AsyncCheckpointWriter"]
+
+_WRITER_NICE = 10  # conventional for background work: ~10% of a core against a busy thread
+
+
+class AsyncCheckpointWriter:
+    """Writes checkpoints on a background thread, at most one at a time.
+
+    ``submit(path, state)`` returns once ``state`` is copied to host memory: later training
+    cannot change what is saved. The file is the one ``save_checkpoint(path, state)`` writes,
+    written atomically (temp file, fsync, rename, folder fsync), so a crash or SIGKILL at any
+    moment leaves the previous complete file. A second ``submit`` first waits for the save in
+    flight; a failed save raises at the next ``submit`` or at ``wait()``. Use it from one
+    thread. It keeps one host copy of the last state's tensors until ``close()`` (pinned
+    memory for CUDA tensors). On Linux the writer thread runs at nice +10: where all cores
+    are busy, training keeps them and the save takes longer.
+
+    Example:
+        >>> net = torch.nn.Linear(4, 2)
+        >>> with AsyncCheckpointWriter() as writer:
+        ...     writer.submit("net.ckpt", {"module": net.state_dict(), "step": 1})
+        ...     # train on here: the file is written meanwhile
+        >>> from fitdp.saving.checkpoint import load_checkpoint
+        >>> load_checkpoint("net.ckpt")["step"]
+        1
+    """
+
+    def __init__(self) -> None:
+        self._snapshot = _HostSnapshot()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a submitted save is not yet durable."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, path: str | os.PathLike[str], state: dict[str, Any],
+               on_durable: Callable[[str], object] | None = None) -> None:
+        """Snapshot ``state`` to host memory and save it to ``path`` in the background.
+
+        Args:
+            path: destination file; missing parent folders are created.
+            state: what :func:`fitdp.saving.checkpoint.save_checkpoint` accepts. Not modified, and
+                free to change as soon as this returns.
+            on_durable: called with the absolute path on the writer thread once the file is
+                renamed into place and durable (e.g. to delete older checkpoints only when
+                the new one is safe); an exception in it fails the save.
+
+        Raises:
+            TypeError, ValueError: bad ``path``, ``state`` or ``on_durable`` (as
+                ``save_checkpoint``), or the writer is closed; nothing is submitted.
+            BaseException: the previous save failed (its own exception, e.g. ``OSError``);
+                this ``state`` is not submitted, submit again to retry.
+        """
+        if self._closed:
+            fail("AsyncCheckpointWriter.submit", "a closed writer", "an open writer",
+                 "create a new AsyncCheckpointWriter", described=True)
+        path = os.path.abspath(check_path("path", path))  # the thread must not see a chdir
+        check_state(state)
+        if on_durable is not None and not callable(on_durable):
+            fail("on_durable", on_durable, "a callable taking the path, or None",
+                 error=TypeError)
+        self.wait()  # at most one save in flight; its buffers are ours again
+        snapshot = self._snapshot.take(state)
+        self._thread = threading.Thread(
+            target=self._write, args=(path, snapshot, on_durable),
+            name="fitdp-checkpoint-writer",
+        )  # not a daemon: a script that ends right after submit still finishes the file
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Return once the last submitted save is durable.
+
+        Raises:
+            BaseException: that save failed (its own exception); reported once.
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Wait for the save in flight, then free the host buffers; idempotent.
+
+        Raises:
+            BaseException: the last save failed.
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._snapshot = _HostSnapshot()
+
+    def __enter__(self) -> AsyncCheckpointWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _write(self, path: str, state: dict[str, Any],
+               on_durable: Callable[[str], object] | None) -> None:
+        try:
+            _lower_this_threads_priority()
+            write_checkpoint(path, state)
+            if on_durable is not None:
+                on_durable(path)
+        except BaseException as exc:  # handed to the caller's thread by wait()
+            note = f"raised by the background checkpoint save to {path!r}"
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(note)
+            self._error = exc
+
+
+def _lower_this_threads_priority() -> None:
+    """Nice the calling thread by ``_WRITER_NICE``, so that where every core is busy (torch's
+    threads, other jobs) training keeps the CPU and the save takes what is left. Linux only:
+    there the nice value belongs to the thread; elsewhere a thread id would name a process."""
+    if sys.platform.startswith("linux"):
+        tid = threading.get_native_id()
+        with suppress(OSError):  # e.g. a seccomp sandbox refusing setpriority
+            os.setpriority(os.PRIO_PROCESS, tid,
+                           min(19, os.getpriority(os.PRIO_PROCESS, tid) + _WRITER_NICE))
+
+
+class _HostSnapshot:
+    """Host copies of a state's tensors in buffers reused from the previous snapshot.
+
+    Each storage is copied whole (as torch.save writes it) into a uint8 buffer, and tensors
+    are rebuilt as views of it with their offset, size and stride, so tensors that shared a
+    storage still share it in the file. The i-th storage met reuses the previous snapshot's
+    i-th buffer when the byte sizes (and pinning) match.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def take(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state`` whose tensors live in this snapshot's host buffers."""
+        old, new = self._buffers, list[torch.Tensor]()
+        storages: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+        memo: dict[int, torch.Tensor] = {}
+
+        def host_storage(t: torch.Tensor) -> torch.UntypedStorage:
+            src = t.untyped_storage()
+            key = (t.device, src.data_ptr())
+            if key[1] and key in storages:
+                return storages[key]
+            pin = t.device.type == "cuda"  # page-locked: the copy from the GPU is a DMA
+            i = len(new)
+            reuse = i < len(old) and old[i].numel() == src.nbytes() and old[i].is_pinned() == pin
+            buf = old[i] if reuse else torch.empty(src.nbytes(), dtype=torch.uint8,
+                                                   pin_memory=pin)
+            buf.untyped_storage().copy_(src)
+            new.append(buf)
+            storages[key] = buf.untyped_storage()
+            return storages[key]
+
+        def tensor(t: torch.Tensor) -> torch.Tensor:
+            if id(t) in memo:  # the same object twice stays one object, as in torch.save
+                return memo[id(t)]
+            if t.layout != torch.strided or t.is_conj() or t.is_neg() or t.is_quantized \
+                    or t.device.type == "meta":
+                copy = t.detach().clone() if t.device.type == "meta" else \
+                    t.detach().to("cpu", copy=True)
+            else:
+                copy = torch.empty(0, dtype=t.dtype).set_(
+                    host_storage(t), t.storage_offset(), t.size(), t.stride())
+            if isinstance(t, torch.nn.Parameter):
+                copy = torch.nn.Parameter(copy, requires_grad=t.requires_grad)
+            elif t.requires_grad:
+                copy.requires_grad_(True)
+            memo[id(t)] = copy
+            return copy
+
+        def walk(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return tensor(value)
+            if isinstance(value, (dict, OrderedDict)):
+                out = type(value)((k, walk(v)) for k, v in value.items())
+                if hasattr(value, "__dict__"):  # OrderedDict attributes: state_dict()._metadata
+                    out.__dict__.update(value.__dict__)
+                return out
+            if isinstance(value, (list, tuple)):
+                return type(value)(walk(v) for v in value)
+            return value
+
+        snapshot = walk(state)
+        self._buffers = new
+        return snapshot

@@ -1,0 +1,210 @@
+"""A checkpoint is a dict of objects that save themselves: what each entry holds, the checks
+made before anything loads, and which file ``fit(resume=...)`` continues from."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from fitdp._version import __version__
+from fitdp.checks import FitdpWarning, check_path, fail
+from fitdp.compiled.optimizers import optimizer_kind_problem
+from fitdp.saving.checkpoint import (
+    CheckpointError,
+    capture_rng_state,
+    remove_stale_temp_files,
+    restore_rng_state,
+)
+
+log = logging.getLogger("fitdp")
+
+
+class Stateful(Protocol):
+    """What a checkpoint entry is: an object that saves and loads its own state."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class Entry:
+    """A checkpoint entry made of two functions, for state that has no object of its own.
+
+    Example:
+        >>> box = {"n": 1}
+        >>> e = Entry(lambda: box["n"], lambda s: box.update(n=s)); e.load_state_dict(5); box
+        {'n': 5}
+    """
+
+    def __init__(self, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        self.save, self.load = save, load
+
+    def state_dict(self) -> Any:
+        return self.save()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.load(state)
+
+
+class OptimizerState:
+    """An optimizer's state, tagged with its class so another kind is refused on load."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.optimizer.state_dict(), "fitdp_class": type(self.optimizer).__name__}
+
+    def problem(self, state: Mapping[str, Any]) -> str | None:
+        return optimizer_kind_problem(self.optimizer, state)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "fitdp_class"})
+
+
+RNG = Entry(capture_rng_state, restore_rng_state)
+
+
+class Skipped(NamedTuple):
+    """What a ``strict=False`` load left out: names the model lacks in the file, names the
+    file has that the model lacks, and names whose shape or dtype differ."""
+
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: list[str]
+
+
+def check_weights(ours: Mapping[str, torch.Tensor], given: Mapping[str, Any], *, origin: str,
+                  strict: bool, error: type[Exception]) -> tuple[dict[str, torch.Tensor], Skipped]:
+    """Match ``given`` weights against the model's, by name, shape and dtype, before any is
+    written.
+
+    Returns:
+        The weights to load, and what was skipped (empty when ``strict``).
+
+    Raises:
+        ``error``: with ``strict``, at the first difference, naming ``origin`` and the tensor
+            with both shapes and dtypes; a non-tensor entry always.
+    """
+    if not isinstance(given, Mapping):
+        raise error(f"{origin}: got {type(given).__name__}; expected a dict of tensors by name")
+    load: dict[str, torch.Tensor] = {}
+    missing = [n for n in ours if n not in given]
+    unexpected = [n for n in given if n not in ours]
+    mismatched = []
+    for name, mine in ours.items():
+        if name not in given:
+            continue
+        theirs = given[name]
+        if not isinstance(theirs, torch.Tensor):
+            raise error(f"{origin}: entry {name!r} is {type(theirs).__name__}, not a tensor")
+        if theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+            mismatched.append(name)
+            if strict:
+                raise error(
+                    f"{origin}: tensor {name!r} has shape {tuple(theirs.shape)} "
+                    f"({str(theirs.dtype).removeprefix('torch.')}) but the model's has "
+                    f"{tuple(mine.shape)} ({str(mine.dtype).removeprefix('torch.')}); nothing "
+                    f"was loaded. Fix: load weights of this architecture, or pass strict=False "
+                    f"to load the tensors that match."
+                )
+            continue
+        load[name] = theirs
+    if strict and (missing or unexpected):
+        which = (f"lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else
+                 f"has {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}, which the model "
+                 f"does not")
+        raise error(f"{origin}: the weights {which}; nothing was loaded. Fix: load weights of "
+                    f"this architecture, or pass strict=False to load the tensors that match.")
+    return load, Skipped(missing, unexpected, mismatched)
+
+
+def warn_skipped(skipped: Skipped, origin: str) -> None:
+    parts = [f"{len(v)} {k} ({', '.join(v[:3])}{' ...' if len(v) > 3 else ''})"
+             for k, v in skipped._asdict().items() if v]
+    if parts:
+        warnings.warn(f"{origin}: strict=False skipped " + "; ".join(parts), FitdpWarning,
+                      stacklevel=3)
+
+
+def snapshot(objects: Mapping[str, Stateful]) -> dict[str, Any]:
+    """The checkpoint dict: every object's state (tensors on the CPU, so that a plain
+    ``torch.load(weights_only=True)`` reads it on a machine without a GPU), and the fitdp
+    version that wrote it. On the CPU nothing is copied."""
+    state = {k: o.state_dict() for k, o in objects.items()}
+    return {"fitdp_version": __version__, **_on_cpu(state)}
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" else value
+    if isinstance(value, dict):
+        return type(value)((k, _on_cpu(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
+def restore(objects: Mapping[str, Stateful], state: Mapping[str, Any], origin: str,
+            *, required: Sequence[str] = ("module",)) -> None:
+    """Load ``state`` into ``objects`` (those it has an entry for), after checking every
+    entry it can check first: a checkpoint of another model changes nothing.
+
+    Raises:
+        CheckpointError: an entry of ``required`` is missing, or an optimizer state of
+            another kind or shape (the module's weights are checked by its own entry).
+    """
+    for key in required:
+        if key not in state:
+            raise CheckpointError(f"{origin}: not a training checkpoint (no {key!r} entry)")
+    for key, obj in objects.items():
+        check = getattr(obj, "problem", None)
+        if check is not None and state.get(key) is not None:
+            problem = check(state[key])
+            if problem:
+                raise CheckpointError(f"{origin}: {key} state does not fit this model: "
+                                      f"{problem}; nothing was loaded")
+    for key, obj in objects.items():
+        if state.get(key) is not None:
+            obj.load_state_dict(state[key])
+
+
+def resume_path(resume: str | os.PathLike[str] | None, callbacks: Sequence[Any]) -> str | None:
+    """The checkpoint ``fit`` should resume from.
+
+    ``None``: a ``BackupAndRestore`` backup when one exists (Keras behaviour), else nothing.
+    ``"latest"``: the newest complete checkpoint written by this fit's checkpoint callbacks
+    (nothing when there is none yet: the run starts fresh). A path: that file.
+    Stale temporary files left by a killed save are removed from those folders first.
+
+    Raises:
+        FileNotFoundError: an explicit path that does not exist.
+        ValueError: ``"latest"`` with no checkpointing callback to look in, or a path that is
+            a folder or a special file.
+        TypeError: ``resume`` is not a path.
+    """
+    savers = [cb for cb in callbacks if callable(getattr(cb, "latest_checkpoint", None))]
+    for cb in savers:
+        folder = getattr(cb, "backup_dir", None) or os.path.dirname(
+            os.path.abspath(getattr(cb, "filepath", ".")))
+        if os.path.isdir(folder):
+            remove_stale_temp_files(folder)
+    if resume is None:
+        found = [cb.resume_path() for cb in savers if callable(getattr(cb, "resume_path", None))]
+        return next((p for p in found if p), None)
+    if resume == "latest":
+        if not savers:
+            fail("resume", "latest", "ModelCheckpoint or BackupAndRestore callbacks in this fit "
+                 "to look for checkpoints in", "pass those callbacks, or "
+                 "resume='path/to/file.ckpt'")
+        paths = [p for p in (cb.latest_checkpoint() for cb in savers) if p]
+        if not paths:
+            log.info("fitdp: resume='latest' found no checkpoint yet; starting from scratch")
+            return None
+        return max(paths, key=os.path.getmtime)
+    return check_path("resume", resume, must_exist=True)
