@@ -10,12 +10,12 @@ from fitdp import callbacks, executor
 from fitdp._version import __version__
 from fitdp.data.batch import DataBatch, DataDesc
 from fitdp.data.bucketing import BucketIterator
+from fitdp.data.sequence import TokenMean
 from fitdp.executor.engines import DDP, FSDP
 from fitdp.executor.monitor import Monitor
 from fitdp.model.facade import Model
 from fitdp.saving.checkpoint import CheckpointError
 from fitdp.saving.export import load_predictor
-from fitdp.sequence import TokenMean
 
 __all__ = [
     "DDP", "FSDP", "BucketIterator", "CheckpointError", "DataBatch", "DataDesc", "Model",

@@ -10,7 +10,7 @@ import torch
 from fitdp.call.ranks import Ranks
 from fitdp.callbacks import CallbackList
 from fitdp.data.batch import DataBatch
-from fitdp.sequence import PAD_VALUE, pad_cat, reorder, split_samples
+from fitdp.data.sequence import PAD_VALUE, pad_cat, reorder, split_samples
 
 
 class Hooks(NamedTuple):

@@ -26,11 +26,11 @@ from fitdp.compiled.losses import explain_failure
 from fitdp.compiled.metrics import DeviceMetrics
 from fitdp.compiled.setup import Compiled
 from fitdp.data.batch import DataBatch, take_rows, tree_cat, tree_leaves, tree_map, tree_structure
+from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.monitor import Monitor
 from fitdp.saving.entries import Entry
-from fitdp.sequence import PAD_VALUE
 
 _FITDP_DIR = os.path.dirname(os.path.abspath(__file__))
 

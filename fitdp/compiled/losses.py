@@ -69,7 +69,7 @@ class Loss:
     def counts(self, targets: Any) -> torch.Tensor | None:
         """What this loss's batch mean divides by when it is not the rows: the targets it
         does not ignore (weighted by class weight), for class-index losses; what a loss
-        that declares its denominator counts (``fitdp.sequence.TokenMean``); else None."""
+        that declares its denominator counts (``fitdp.data.sequence.TokenMean``); else None."""
         declared = _declared_counts(self.spec)
         if declared is not None:
             return declared(targets)

@@ -11,7 +11,7 @@ from torchmetrics import Metric
 
 from fitdp.compiled.metric_specs import MetricsArg, MetricSpec, metric_specs, snake_case
 from fitdp.data.batch import tree_leaves, tree_map
-from fitdp.sequence import batch_first
+from fitdp.data.sequence import batch_first
 
 __all__ = ["MERGE_FIX", "DeviceMetrics", "MetricsArg", "MetricSpec", "metric_specs",
            "snake_case"]

@@ -21,6 +21,7 @@ from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.metrics import MetricsArg
 from fitdp.compiled.optimizers import OptimizerArg
 from fitdp.compiled.setup import CompileConfig, Compiled
+from fitdp.data.sequence import PAD_VALUE, check_pad_args
 from fitdp.executor.devices import DevicesArg
 from fitdp.executor.engines import Strategy
 from fitdp.executor.interrupts import GUARD
@@ -29,7 +30,6 @@ from fitdp.model.extras import ModelExtras, keras_logs
 from fitdp.model.saving import ModelIO
 from fitdp.saving.async_writer import AsyncCheckpointWriter
 from fitdp.saving.entries import RNG
-from fitdp.sequence import PAD_VALUE, check_pad_args
 
 
 class Model(ModelIO, ModelExtras):
