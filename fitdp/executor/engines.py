@@ -15,10 +15,9 @@ batches therefore still give the whole-batch gradient.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -186,19 +185,33 @@ def _blocks(module: nn.Module, options: FSDP) -> list[nn.Module]:
     return found
 
 
-@contextlib.contextmanager
-def no_sync(wrapped: nn.Module | None, syncing: bool) -> Iterator[None]:
-    """While accumulating (``syncing`` False), backward skips the cross-rank reduction:
-    DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``."""
-    if syncing or wrapped is None:
-        yield
-        return
+def set_sync(wrapped: nn.Module, on: bool) -> None:
+    """Whether the next backward reduces across ranks (False while accumulating): DDP's
+    ``no_sync`` flag, FSDP2's ``set_requires_gradient_sync`` (set per batch: DDP reads it
+    in forward, FSDP2 in backward)."""
     if isinstance(wrapped, nn.parallel.DistributedDataParallel):
-        with wrapped.no_sync():
-            yield
-        return
-    wrapped.set_requires_gradient_sync(False)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        wrapped.set_requires_gradient_sync(True)  # type: ignore[operator]
+        wrapped.require_backward_grad_sync = on
+    else:
+        wrapped.set_requires_gradient_sync(on)  # type: ignore[operator]
+
+
+def empty_share(wrapped: nn.Module, inputs: Any) -> None:
+    """A rank whose share of a step is empty (zero rows) still takes part in the step's
+    collectives: forward on the zero rows and backward of a zero loss, so DDP's bucket
+    all-reduces (and FSDP2's all-gathers and reduce-scatters) meet the other ranks' with
+    zero gradients."""
+    outputs = wrapped(inputs) if isinstance(inputs, torch.Tensor) else (
+        wrapped(**inputs) if isinstance(inputs, dict) else wrapped(*inputs))
+    leaves = [t for t in _leaves(outputs) if t.requires_grad]
+    if leaves:
+        (sum(t.float().sum() for t in leaves) * 0.0).backward()  # type: ignore[union-attr]
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _leaves(item)]
+    return []

@@ -1,5 +1,6 @@
 """One rank of tests/distributed/test_strategy.py's 2-rank job: DDP and FSDP2 as fitdp wraps
-them sum each rank's row-weighted loss gradients into the whole batch's (5 rows and 3); then
+them sum each rank's row-weighted loss gradients into the whole batch's (5 rows and 3, or 8
+and an empty share); then
 a sharded checkpoint (model and Adam state) written by both ranks, sync and async, read back.
 
 Usage: torchrun ... engine_worker.py OUT_DIR
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fitdp.executor import sharded_io
-from fitdp.executor.engines import DDP, FSDP, no_sync, shard_fsdp, wrap_ddp
+from fitdp.executor.engines import DDP, FSDP, empty_share, set_sync, shard_fsdp, wrap_ddp
 
 OUT = sys.argv[1]
 
@@ -33,19 +34,23 @@ y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
 full = net()
 for _ in range(2):  # two accumulated micro-batches
     nn.functional.cross_entropy(full(x), y).backward()
-lo, rows = (0, 5) if rank == 0 else (5, 3)
-for kind in ("ddp", "fsdp"):
+for kind, split in (("ddp", (5, 3)), ("ddp", (8, 0)), ("fsdp", (8, 0)), ("fsdp", (5, 3))):
+    lo, rows = (0, split[0]) if rank == 0 else (split[0], split[1])
     module = net()
     wrapped = wrap_ddp(module, torch.device("cpu"), DDP()) if kind == "ddp" else module
     if kind == "fsdp":
         shard_fsdp(module, FSDP(min_params=50), None)
     for micro in range(2):  # the first backward accumulates locally, the second syncs
-        with no_sync(wrapped, syncing=micro == 1):
-            out = wrapped(x[lo:lo + rows])
-            (nn.functional.cross_entropy(out, y[lo:lo + rows], reduction="sum") / 8).backward()
+        set_sync(wrapped, micro == 1)
+        if rows == 0:  # rank 1's share of the step is empty: it still meets rank 0
+            empty_share(wrapped, x[:0])
+            continue
+        out = wrapped(x[lo:lo + rows])
+        (nn.functional.cross_entropy(out, y[lo:lo + rows], reduction="sum") / 8).backward()
     for (name, p), q in zip(module.named_parameters(), full.parameters()):
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{kind} {name}")
+        torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6,
+                                   msg=f"{kind} {split} {name}")
     if kind == "ddp":
         del wrapped
 print("engines ok", flush=True)
