@@ -41,9 +41,11 @@ def main() -> None:
     x, y = load_digits()
     perm = torch.randperm(len(x))
     x, y = x[perm], y[perm]                   # validation_split takes the last 20%
-    # Two replicas on the CPU, one core each; every GPU when there are any.
+    # Every GPU when there are any; else two CPU replicas, one core each, when this process
+    # may use two cores (on one core two replicas would only take turns).
     gpus = torch.cuda.device_count()
-    devices = list(range(gpus)) if gpus else ["cpu", "cpu"]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    devices = list(range(gpus)) if gpus else ["cpu", "cpu"] if (cores or 1) >= 2 else ["cpu"]
     if os.environ.get("WORLD_SIZE", "1") != "1":
         devices = "auto"                      # under torchrun: one device per process
     elif not gpus:
@@ -62,7 +64,8 @@ def main() -> None:
     seconds = time.perf_counter() - start
     if model.is_main_process:
         final = {k: round(v[-1], 4) for k, v in history.history.items()}
-        print(f"final metrics after {epochs} epochs ({seconds:.1f} s): {final}")
+        print(f"final metrics after {epochs} epochs ({seconds:.1f} s on {devices}, {cores} usable "
+              f"CPU cores): {final}")
         if args.plot:
             history.plot(args.plot)
             print(f"saved curves to {args.plot}")

@@ -96,10 +96,15 @@ class SlowReplicaCheck:
     than one thread running every device's share one after another (what one replica
     would do)? Small models do: their threads queue for Python's GIL.
 
-    Skips ``warmup`` batches (a run's first batches are slower), runs ``probes`` batches
-    one share after another (``serial_next``), then ``probes`` at once, and compares the
-    medians; after that it is done and costs nothing. (Not alternated: after a batch at once,
-    the other threads' OpenMP workers spin for a while and would slow the next serial one.)
+    Skips ``warmup`` batches (a run's first batches are slower), then measures ``probes``
+    pairs of batches, one batch of each pair one share after another (``serial_next``) and
+    one at once, next to each other in time, so a change of the machine's load hits both
+    sides of a pair alike. The order alternates pair by pair (serial first, then at once
+    first): after a batch at once the other threads' OpenMP workers spin for a while and
+    slow whatever runs next, so neither side always pays it. It warns when at once is
+    slower by ``margin`` in the median pair *and* in at least ``agree`` of the pairs: a few
+    batches disturbed by another process cannot decide alone. Then it is done and costs
+    nothing; until then ``probes`` training batches run on one thread.
 
     Example:
         >>> check = SlowReplicaCheck(warmup=0, probes=1)
@@ -109,8 +114,9 @@ class SlowReplicaCheck:
         (False, (0.002, 0.001))
     """
 
-    def __init__(self, *, warmup: int = 5, probes: int = 3, margin: float = 1.1) -> None:
-        self.warmup, self.probes, self.margin = warmup, probes, margin
+    def __init__(self, *, warmup: int = 5, probes: int = 6, margin: float = 1.1,
+                 agree: float = 0.75) -> None:
+        self.warmup, self.probes, self.margin, self.agree = warmup, probes, margin, agree
         self.batches = 0
         self.serial: list[float] = []
         self.together: list[float] = []
@@ -118,21 +124,28 @@ class SlowReplicaCheck:
 
     def serial_next(self) -> bool:
         """Whether the next training batch should run its shares one after another."""
-        return self.warmup <= self.batches < self.warmup + self.probes
+        k = self.batches - self.warmup
+        if k < 0 or k >= 2 * self.probes:
+            return False
+        pair, second = divmod(k, 2)
+        return (pair % 2 == 0) != bool(second)  # pairs alternate: S T, T S, S T, ...
 
     def record(self, serial: bool, seconds: float) -> tuple[float, float] | None:
         """One training batch's time on its shares. Once decided: (median time at once,
-        median time one after another) when at once is the slower by ``margin``, else None;
-        ``done`` is then set."""
+        median time one after another) when at once is the slower (see the class), else
+        None; ``done`` is then set."""
         self.batches += 1
         if self.batches <= self.warmup or self.done:
             return None
         (self.serial if serial else self.together).append(seconds)
-        if len(self.together) < self.probes:
+        if len(self.together) < self.probes or len(self.serial) < self.probes:
             return None
         self.done = True
-        together, alone = statistics.median(self.together), statistics.median(self.serial)
-        return (together, alone) if together > self.margin * alone else None
+        ratios = [t / max(s, 1e-12) for s, t in zip(self.serial, self.together)]
+        slower = sum(r > self.margin for r in ratios)
+        if statistics.median(ratios) > self.margin and slower >= self.agree * len(ratios):
+            return statistics.median(self.together), statistics.median(self.serial)
+        return None
 
 
 def slow_replicas_message(devices: int, together: float, alone: float) -> str:
