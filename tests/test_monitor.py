@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -46,15 +45,25 @@ def test_monitor_covers_every_device_and_custom_stat():
     assert {"d0/module_output", "d1/module_output", "weight", "weight_grad"} <= set(names)
 
 
-def test_fit_installs_and_prints(caplog):
+def test_fit_installs_and_prints(capsys):
+    """Regression (issue 22.7): fit's monitor rows were silent unless INFO logging was set up,
+    and had no epoch; they print through the progress bar's writer, with the epoch."""
     torch.manual_seed(0)
     model = fitdp.Model(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
     model.compile(optimizer="sgd", loss="cross_entropy")
-    mon = fitdp.Monitor(3, pattern=r"2")
-    with caplog.at_level(logging.INFO, logger="fitdp"):
-        model.fit(torch.randn(24, 3), torch.randint(0, 2, (24,)), batch_size=4, monitor=mon,
-                  verbose=0)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Batch:")]
-    assert len(lines) == 2 * 5  # batches 1 and 4 of 6; output + weight/bias and their grads
+    seen = []
+    mon = fitdp.Monitor(3, pattern=r"2", on_rows=seen.append)
+    model.fit(torch.randn(24, 3), torch.randint(0, 2, (24,)), batch_size=4, monitor=mon,
+              epochs=2, verbose=0)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("epoch ")]
+    assert len(lines) == 2 * 2 * 5  # per epoch batches 1 and 4 of 6; output, weight/bias, grads
+    assert lines[0].split()[:4] == ["epoch", "1", "batch", "1"]
+    assert lines[-1].split()[:4] == ["epoch", "2", "batch", "10"]
     assert any("2_output" in line for line in lines)
+    assert [len(rows) for rows in seen] == [5] * 4 and mon.last == seen[-1]
+    assert seen[0][0].epoch == 1 and isinstance(seen[0][0].value, float)
+    silent = fitdp.Monitor(3, pattern=r"2", verbose=False)
+    model.fit(torch.randn(24, 3), torch.randint(0, 2, (24,)), batch_size=4, monitor=silent,
+              verbose=0)
+    assert "epoch " not in capsys.readouterr().out and len(silent.last) == 5
     assert not mon._handles  # hooks removed after fit

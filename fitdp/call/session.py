@@ -162,7 +162,7 @@ class Session:
             if due:
                 self._stepped()
             if self.monitor is not None:
-                self.monitor.toc_print()
+                self.monitor.report(run.epoch)
         return self._batch_logs(index)
 
     def _optimizer_step(self) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -16,6 +17,16 @@ from torch.utils.hooks import RemovableHandle
 from fitdp.data.batch import tree_leaves
 
 StatFunc = Callable[[torch.Tensor], torch.Tensor]
+
+
+class MonitorRow(NamedTuple):
+    """One statistic of one reported batch in ``fit``: epoch (from 1), batch (the monitor's
+    count, from 1), tensor name, value."""
+
+    epoch: int
+    batch: int
+    name: str
+    value: float
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
@@ -36,6 +47,11 @@ class Monitor:
         stat_func: tensor -> scalar tensor; default RMS.
         pattern: regular expression matched (``re.match``) against names.
         sort: sort ``toc``'s result by name.
+        verbose: in ``fit``, print each row (``epoch 1 batch 11 3.weight 0.0996``) through
+            ``tqdm.write``, the progress bar's writer (lines go above the bar). False:
+            silent; the rows are still in ``last`` and passed to ``on_rows``.
+        on_rows: in ``fit``, called with each reported batch's ``MonitorRow`` list (before
+            ``on_train_batch_end``), e.g. to send them to TensorBoard.
 
     Example:
         >>> mon = Monitor(1, pattern="0")
@@ -51,6 +67,9 @@ class Monitor:
         stat_func: StatFunc | None = None,
         pattern: str = ".*",
         sort: bool = False,
+        *,
+        verbose: bool = True,
+        on_rows: Callable[[list[MonitorRow]], None] | None = None,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval: got {interval!r}; expected a positive int (batches)")
@@ -59,6 +78,13 @@ class Monitor:
         self.pattern = pattern
         self.regex = re.compile(pattern)
         self.sort = sort
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose: got {verbose!r}; expected True (print the rows) or False")
+        if on_rows is not None and not callable(on_rows):
+            raise TypeError(f"on_rows: got {type(on_rows).__name__}; expected a callable("
+                            f"rows) -> None, or None")
+        self.verbose, self.on_rows = verbose, on_rows
+        self.last: list[MonitorRow] = []  # the rows of the last reported batch (fit)
         self.step = 0
         self.activated = False
         self._queue: list[tuple[int, str, torch.Tensor]] = []
@@ -119,6 +145,28 @@ class Monitor:
         log = logger or logging.getLogger("fitdp")
         for step, name, value in rows:
             log.info("Batch: %7d %30s %s", step, name, value)
+        return rows
+
+    def report(self, epoch: int, logger: logging.Logger | None = None) -> list[MonitorRow]:
+        """``toc`` in ``fit``: this batch's rows (with the epoch, counted from 1) printed
+        through the progress bar's writer (``verbose``), logged at DEBUG on ``fitdp``, kept
+        in ``last`` and passed to ``on_rows``. Weights and gradients are read after the
+        optimizer step of the batch (gradients: the reduced ones it stepped with)."""
+        rows = [MonitorRow(epoch + 1, step, name, value) for step, name, value in self.toc()]
+        if not rows:
+            return rows
+        self.last = rows
+        from tqdm import tqdm  # noqa: PLC0415 - the progress bar's class, imported as it does
+
+        log = logger or logging.getLogger("fitdp")
+        width = max(len(r.name) for r in rows)
+        for row in rows:
+            line = f"epoch {row.epoch} batch {row.batch:>6}  {row.name:<{width}}  {row.value:.4g}"
+            if self.verbose:
+                tqdm.write(line, file=sys.stdout)  # above the bar (ProgressBar's stdout)
+            log.debug(line)
+        if self.on_rows is not None:
+            self.on_rows(rows)
         return rows
 
     def remove(self) -> None:
