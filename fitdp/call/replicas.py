@@ -127,6 +127,35 @@ class Replicas:
         src, dst = (replica, host) if to_host else (host, replica)
         bind_optimizer(optimizer, {id(src[n]): dst[n] for n in src if n in dst})
 
+    def own_buffers(self) -> dict[str, list[torch.Tensor]] | None:
+        """The floating buffers whose replicas differ (BatchNorm statistics between epoch
+        ends: each replica updates its own from its slice), one copy per replica; None when
+        they all agree. A checkpoint keeps them so that a resume in the middle of an epoch
+        continues bit for bit (the saved module holds their average). Costs a comparison
+        per buffer at each save."""
+        mgr = self.manager
+        own = {name: [t.detach().clone() for t in block]
+               for name, block in zip(mgr.aux_names, mgr.aux_arrays)
+               if len(block) > 1 and block[0].is_floating_point()
+               and any(not torch.equal(block[0], t) for t in block[1:])}
+        return own or None
+
+    def load_own_buffers(self, own: dict[str, list[torch.Tensor]]) -> None:
+        """Put ``own_buffers`` back, each replica's own; with another replica count the
+        replicas keep the saved average (what they can share)."""
+        mgr = self.manager
+        arrays = dict(zip(mgr.aux_names, mgr.aux_arrays))
+        with torch.no_grad():
+            for name, values in own.items():
+                block = arrays.get(name)
+                if block is not None and len(block) == len(values):
+                    for dst, src in zip(block, values):
+                        dst.copy_(src)
+
+    def modules(self) -> list[nn.Module]:
+        """Every replica of every bucket (the modules whose train/eval modes a pass sets)."""
+        return [ex.module for group in self.manager.groups.values() for ex in group.executors]
+
     def close(self) -> None:
         self.manager.close()
 

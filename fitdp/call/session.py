@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fitdp.call.batches import PREDICT, TEST, TRAIN, assemble, run_batches
+from fitdp.call.modes import Modes
 from fitdp.call.plan import CallPlan, FitPlan
 from fitdp.call.replicas import Replicas
 from fitdp.call.run_state import RunState
@@ -30,7 +31,7 @@ from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.monitor import Monitor
-from fitdp.saving.entries import Entry
+from fitdp.saving.entries import Entry, EpochLogs
 
 _FITDP_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -43,13 +44,17 @@ class Session:
         replicas: the manager and metric clones the call runs on.
         run: the model's run state.
         plan: the call's checked arguments.
+        modes: every submodule's train/eval mode at the call's start.
     """
 
     def __init__(self, trainer: Compiled | None, replicas: Replicas, run: RunState,
-                 plan: CallPlan) -> None:
+                 plan: CallPlan, modes: Modes) -> None:
         self.trainer, self.replicas, self.run, self.plan = trainer, replicas, run, plan
         self.mgr = replicas.manager
         self.metrics = replicas.metrics or None  # (no metrics: None, not an empty one)
+        self.modes = modes
+        self.mode: bool | None = None  # the mode the replicas are in (None: not set yet)
+        self.epoch_logs = EpochLogs(self.mgr, self.metrics, run)
         self.logs: dict[str, float] = {}
         self.example_inputs: Any = None
         self.log_every = plan.log_every if isinstance(plan, FitPlan) else 50
@@ -99,8 +104,10 @@ class Session:
             run.data_epoch = run.epoch
             self.data_state = plan.source.state_dict()
         self.reset_logs()
+        self.epoch_logs.begin()  # resumed mid-epoch: they go on from the checkpoint's
         run_batches(self._epoch_batches(), plan.callbacks, TRAIN, self.train_step,
                     lambda: run.stop_training)
+        self.epoch_logs.live = False
         if run.micro_step:  # the epoch's last batches, fewer than grad_accum_steps
             with GUARD.critical():
                 self._optimizer_step()
@@ -142,6 +149,8 @@ class Session:
         trainer, run = self.trainer, self.run
         assert trainer is not None  # noqa: S101 - fit needs compile
         with GUARD.critical():
+            if self.mode is not True:
+                self._set_mode(True)
             if self.monitor is not None:
                 self.monitor.tic()
             # Zeroed as the step begins, not after it: gradients stay readable until the
@@ -181,6 +190,8 @@ class Session:
             self.trainer.step_scheduler("step")  # type: ignore[union-attr]
         self.run.stepped(self.run.micro_step)
         self.data_state = self.plan.source.state_dict()
+        if self.accum > 1:  # a checkpoint between steps saves the logs of this step
+            self.epoch_logs.mark()
 
     def end_epoch(self, logs: dict[str, float]) -> None:
         """Record the rate this epoch trained with, then step a per-epoch scheduler."""
@@ -252,6 +263,8 @@ class Session:
         """Load, forward (and backward when training) one batch and update the metrics, in
         one hand-off per device; ``step``: ``run_batch``'s zeroing and optimizer step. On a
         call's first batch, the user's errors come back with what the batch held."""
+        if self.mode is not is_train:
+            self._set_mode(is_train)
         if self.checked:
             metrics = self._metrics_for(batch)
             self.mgr.run_batch(batch, is_train, total_rows=batch.global_rows,
@@ -270,6 +283,11 @@ class Session:
             if _raised_in_fitdp(err):
                 raise
             raise explain_failure(err, batch, "x") from err
+
+    def _set_mode(self, training: bool) -> None:
+        """Every replica in a ``training`` pass's modes (``fitdp.call.modes``), once per pass."""
+        self.modes.apply(self.replicas.modules(), training)
+        self.mode = training
 
     def _first_batch_checks(self, batch: DataBatch) -> None:
         """Checks that need the model's outputs, made once per call before the first

@@ -8,19 +8,26 @@ from typing import Any
 
 import torch
 from torchmetrics import Metric
+from torchmetrics.classification import (
+    MulticlassConfusionMatrix,
+    MulticlassExactMatch,
+    MulticlassStatScores,
+)
 
 from fitdp.compiled.metric_specs import MetricsArg, MetricSpec, metric_specs, snake_case
-from fitdp.data.batch import tree_leaves, tree_map
+from fitdp.data.batch import tree_cat, tree_leaves, tree_map
 from fitdp.data.sequence import batch_first
 
-__all__ = ["MERGE_FIX", "DeviceMetrics", "MetricsArg", "MetricSpec", "metric_specs",
-           "snake_case"]
+__all__ = ["DeviceMetrics", "MetricsArg", "MetricSpec", "metric_specs", "snake_case"]
 
-# Metric.merge_state, the public merge this relies on, is in torchmetrics >= 1.6.0.
-MERGE_FIX = (
-    "Fix: train on one device (e.g. devices=['cpu']), or subclass the metric and override "
-    "merge_state(self, incoming_state) to combine two states (torchmetrics' own advice)"
-)
+# Classification metrics that never look at the range of their inputs: the multiclass ones
+# that take the argmax of scores (or the labels). Every other classification metric passes
+# scores through torchmetrics' normalize_logits_if_needed, which applies a sigmoid or softmax
+# to an update only when some value lies outside [0, 1]: decided per update, so per device
+# slice, and a batch of logits whose slice happens to lie in [0, 1] would be read as
+# probabilities on one device and as logits on the other.
+_SLICE_SAFE = (MulticlassStatScores, MulticlassConfusionMatrix, MulticlassExactMatch)
+_PER_UPDATE_FORMAT = ("torchmetrics.classification", "torchmetrics.wrappers")
 
 
 class DeviceMetrics:
@@ -28,25 +35,35 @@ class DeviceMetrics:
 
     ``compute`` merges the clones with torchmetrics' public ``Metric.merge_state`` (each state
     by its own reduction: counts added, lists concatenated, ...), so the result equals the
-    metric run on the whole epoch at once. Metrics never keep a tensor fitdp reuses or one
-    that carries autograd history (see ``update``).
+    metric run on the whole epoch at once. Two kinds of metric cannot be updated per slice
+    and update once per batch instead (``end_batch``), on the first device's clone, with the
+    batch's slices joined in device order: exactly the update one device makes.
+
+    - Metrics that ``merge_state`` refuses (``full_state_update=True`` such as
+      ``PearsonCorrCoef``, ``dist_sync_on_step=True``, a class that does not declare it).
+    - Classification metrics that read scores as logits or probabilities per update (every
+      binary and multilabel one, multiclass curves, AUROC, calibration, hinge): torchmetrics
+      applies a sigmoid or softmax only when some value of an update lies outside [0, 1].
+
+    What that costs: per batch, the slices' outputs and labels copied onto the first device
+    (``torch.cat``; no copy with one slice), and the update on the calling thread after the
+    devices' hand-off instead of on the devices' threads. Multiclass accuracy-like metrics
+    (argmax of the scores), regression and aggregation metrics stay per slice, free.
+    Metrics never keep a tensor fitdp reuses or one that carries autograd history.
 
     Args:
         metrics: log key -> metric (the user's objects are never updated).
         devices: one clone set per device.
 
-    Raises:
-        ValueError: with several devices, a metric that ``merge_state`` refuses (e.g.
-            ``full_state_update=True``, ``dist_sync_on_step=True``), before any step.
-
     Example:
-        >>> from torchmetrics.classification import MulticlassAccuracy
+        >>> from torchmetrics.classification import BinaryAccuracy
         >>> cpu = torch.device("cpu")
-        >>> dm = DeviceMetrics({"acc": MulticlassAccuracy(num_classes=2)}, [cpu, cpu])
-        >>> dm.update(0, torch.tensor([[1.0, 0.0]]), torch.tensor([0]))
-        >>> dm.update(1, torch.tensor([[1.0, 0.0]]), torch.tensor([1]))
+        >>> dm = DeviceMetrics({"acc": BinaryAccuracy()}, [cpu, cpu])
+        >>> dm.update(0, torch.tensor([0.3, 3.0]), torch.tensor([1, 1]))
+        >>> dm.update(1, torch.tensor([0.3, -3.0]), torch.tensor([1, 1]))
+        >>> dm.end_batch()  # logits (one device would read the batch so): sigmoid(0.3) > 0.5
         >>> dm.compute()
-        {'acc': 0.5}
+        {'acc': 0.75}
     """
 
     def __init__(self, metrics: Mapping[str, Metric | MetricSpec],
@@ -58,7 +75,7 @@ class DeviceMetrics:
         # outputs and labels are moved batch-first before update (``sequence.batch_first``).
         self.axis = 0
         self.specs = [{n: m.on(dev) for n, m in self.templates.items()} for dev in devices]
-        self.reset()
+        self.whole: list[str] = []  # updated once per batch, on the first device's clone
         if len(self.devices) > 1:
             for name, spec in self.templates.items():
                 if spec.metric is None:
@@ -68,7 +85,12 @@ class DeviceMetrics:
                     # compute() runs on a clone with the others merged in, then puts its own
                     # states back: a cached value would outlive that and go stale.
                     m.compute_with_cache = False
-                self._check_mergeable(name, clones)
+                if _reads_range(spec.metric) or not _mergeable(clones):
+                    self.whole.append(name)
+        self._sliced = [[s for n, s in specs.items() if n not in self.whole]
+                        for specs in self.specs]
+        self._pending: list[tuple[Any, Any, Any] | None] = [None] * len(self.devices)
+        self.reset()
 
     @property
     def clones(self) -> list[dict[str, Metric]]:
@@ -82,7 +104,8 @@ class DeviceMetrics:
 
     def update(self, device_index: int, outputs: Any, labels: Any,
                weight: torch.Tensor | None = None) -> None:
-        """Update device ``device_index``'s clones (called on that device's thread).
+        """Update device ``device_index``'s clones (called on that device's thread); the
+        metrics updated once per batch keep the slice for ``end_batch``.
 
         Args:
             device_index: which device's clones.
@@ -94,28 +117,35 @@ class DeviceMetrics:
         outputs, labels = tree_map(torch.Tensor.detach, (outputs, labels))
         if self.axis:
             outputs, labels = batch_first(outputs, labels, self.axis)
-        inputs = {_storage(t) for t in tree_leaves((outputs, labels, weight))}
-        for spec in self.specs[device_index].values():
-            m = spec.metric
-            lengths = {} if m is None else {
-                k: len(v) for k, v in m.metric_state.items() if isinstance(v, list)}
-            m = spec.update(outputs, labels, weight if spec.weighted else None)
-            # Only a state sharing storage with an input can see the next batch overwrite it
-            # (a 'cat' list holding the label view, a tensor state set to an input); states
-            # computed from the inputs (counts, sums, sigmoids) own new storage. So copy
-            # exactly those: accuracy-like metrics never pay for a copy.
-            for key, value in m.metric_state.items():
-                if isinstance(value, torch.Tensor):
-                    if _storage(value) in inputs:
-                        setattr(m, key, value.clone())
-                    continue
-                start = lengths.get(key, 0) if len(value) >= lengths.get(key, 0) else 0
-                for i in range(start, len(value)):
-                    if isinstance(value[i], torch.Tensor) and _storage(value[i]) in inputs:
-                        value[i] = value[i].clone()
+        if self.whole:
+            self._pending[device_index] = (outputs, labels, weight)
+        sliced = self._sliced[device_index]
+        if sliced:
+            inputs = {_storage(t) for t in tree_leaves((outputs, labels, weight))}
+            for spec in sliced:
+                _update_owned(spec, outputs, labels, weight, inputs)
+
+    def end_batch(self, axis: int = 0) -> None:
+        """After every device's ``update`` of a batch: update the metrics that need the
+        whole batch, with the slices joined in device order along the batch ``axis`` (0
+        when ``update`` made them batch-first)."""
+        parts = [p for p in self._pending if p is not None]
+        if not parts:
+            return
+        self._pending = [None] * len(self.devices)
+        dev, axis = self.devices[0], 0 if self.axis else axis
+        moved = [tree_map(lambda t: t.to(dev), p) for p in parts]
+        joined = moved[0] if len(moved) == 1 else tuple(
+            None if moved[0][i] is None else tree_cat([p[i] for p in moved], axis)
+            for i in range(3))
+        outputs, labels, weight = joined
+        inputs = {_storage(t) for t in tree_leaves(joined)}
+        for name in self.whole:
+            _update_owned(self.specs[0][name], outputs, labels, weight, inputs)
 
     def reset(self) -> None:
         """Reset every clone (the start of an epoch, of an evaluation)."""
+        self._pending = [None] * len(self.devices)
         for clones in self.clones:
             for m in clones.values():
                 m.reset()
@@ -129,6 +159,7 @@ class DeviceMetrics:
         Raises:
             ValueError: a metric that does not compute to one number.
         """
+        self.end_batch()  # slices updated outside an executor (no hand-off ended them)
         logs = {}
         for name in self.templates:
             built = [c[name] for c in self.clones if name in c]
@@ -145,6 +176,32 @@ class DeviceMetrics:
             logs[name] = float(value)
         return logs
 
+    def state_dict(self) -> list[dict[str, dict[str, Any]]]:
+        """Every clone's states and update count, per device (copies: updates go on)."""
+        return [{name: {"state": {k: v.clone() if isinstance(v, torch.Tensor) else list(v)
+                                  for k, v in m.metric_state.items()},
+                        "updates": m.update_count}
+                 for name, m in clones.items()} for clones in self.clones]
+
+    def load_state_dict(self, state: Sequence[Mapping[str, Mapping[str, Any]]]) -> None:
+        """Put saved states back (a resume); states of devices beyond these are merged
+        into the first device's clones (a resume on fewer devices)."""
+        for d, saved in enumerate(state):
+            for name, entry in saved.items():
+                if name not in self.templates or not entry["updates"]:
+                    continue
+                m = self.clones[min(d, len(self.clones) - 1)][name]
+                values = _state_on_device(entry["state"], m.device)
+                if d < len(self.clones) or not m.update_count:
+                    for key, value in values.items():
+                        setattr(m, key, value)
+                    # torchmetrics keeps the count privately (no setter): compute() warns
+                    # on a metric it believes was never updated.
+                    m._update_count = int(entry["updates"])
+                else:
+                    m.merge_state(values)
+                m._computed = None
+
     @staticmethod
     def _compute_one(clones: Sequence[Metric]) -> Any:
         # A device that saw no rows adds nothing (its default state would otherwise count as
@@ -158,31 +215,45 @@ class DeviceMetrics:
         with _merged(updated[0], updated[1:]):
             return updated[0].compute()
 
-    def _check_mergeable(self, name: str, clones: Sequence[Metric]) -> None:
-        """Merge the fresh clones once, so a refusal comes now and not at the first log."""
-        metric = clones[0]
-        try:
-            with _merged(metric, clones[1:]):
-                pass
-        except (RuntimeError, TypeError, ValueError) as err:
-            cls = type(metric).__name__
-            why = f"it refused: {err}"
-            fix = MERGE_FIX
-            if metric.dist_sync_on_step:
-                why = "it was built with dist_sync_on_step=True"
-                fix += ", or build it without dist_sync_on_step (fitdp syncs at log points)"
-            elif metric.full_state_update is None:
-                why = "its class does not declare full_state_update (read as True)"
-                fix += (f", or if {cls}.update only adds each batch to its states, declare "
-                        f"the class attribute full_state_update = False")
-            elif metric.full_state_update:
-                why = "its class declares full_state_update=True (update reads the whole state)"
-            raise ValueError(
-                f"metrics: {name!r} ({cls}) cannot be merged across devices "
-                f"{[str(d) for d in self.devices]}: "
-                f"fitdp keeps one clone per device and merges them with torchmetrics' "
-                f"Metric.merge_state, and {why}. {fix}."
-            ) from err
+
+def _reads_range(metric: Metric) -> bool:
+    """Whether ``metric`` may read one update's scores as logits and another's as
+    probabilities (see ``_SLICE_SAFE``); wrappers are taken to, whatever they wrap."""
+    if isinstance(metric, _SLICE_SAFE):
+        return False
+    return any(c.__module__.startswith(_PER_UPDATE_FORMAT) for c in type(metric).__mro__)
+
+
+def _mergeable(clones: Sequence[Metric]) -> bool:
+    """Whether ``merge_state`` merges these (fresh) clones: it refuses
+    ``full_state_update=True`` and ``dist_sync_on_step=True`` unless the class overrides it."""
+    try:
+        with _merged(clones[0], clones[1:]):
+            pass
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _update_owned(spec: MetricSpec, outputs: Any, labels: Any, weight: torch.Tensor | None,
+                  inputs: set[int]) -> None:
+    """``spec``'s update, then copy every state that shares storage with an input
+    (``inputs``: their storages). Only such a state can see the next batch overwrite it (a
+    'cat' list holding the label view, a tensor state set to an input); states computed from
+    the inputs (counts, sums, sigmoids) own new storage: accuracy-like metrics never pay."""
+    m = spec.metric
+    lengths = {} if m is None else {
+        k: len(v) for k, v in m.metric_state.items() if isinstance(v, list)}
+    m = spec.update(outputs, labels, weight if spec.weighted else None)
+    for key, value in m.metric_state.items():
+        if isinstance(value, torch.Tensor):
+            if _storage(value) in inputs:
+                setattr(m, key, value.clone())
+            continue
+        start = lengths.get(key, 0) if len(value) >= lengths.get(key, 0) else 0
+        for i in range(start, len(value)):
+            if isinstance(value[i], torch.Tensor) and _storage(value[i]) in inputs:
+                value[i] = value[i].clone()
 
 
 @contextmanager
@@ -205,10 +276,14 @@ def _merged(target: Metric, others: Sequence[Metric]) -> Iterator[None]:
 
 def _state_on(metric: Metric, device: torch.device) -> dict[str, Any]:
     """``metric``'s states on ``device`` (no copy where they already are)."""
+    return _state_on_device(metric.metric_state, device)
+
+
+def _state_on_device(state: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     return {
         k: v.to(device) if isinstance(v, torch.Tensor)
         else [t.to(device) if isinstance(t, torch.Tensor) else t for t in v]
-        for k, v in metric.metric_state.items()
+        for k, v in state.items()
     }
 
 

@@ -238,6 +238,8 @@ class DataParallelExecutorGroup:
             self.workers.run(self._tasks)
         if before is not None:  # the probe: did that forward draw random numbers?
             self.stochastic = not torch.equal(before, torch.get_rng_state())
+        if metric is not None:
+            metric.end_batch(axis)  # the metrics that update with the whole batch
         if self.executors[0].warn_on_grow:
             self._warn_grown()
 
@@ -309,6 +311,7 @@ class DataParallelExecutorGroup:
                               ex.valid_rows(ex.weights))
 
         self.workers.run([functools.partial(update, ex, d) for d, ex in enumerate(self.executors)])
+        metric.end_batch(self.executors[0].axis)  # the metrics that update with the whole batch
 
     def outputs(self) -> list[Any]:
         """Each device's outputs, padding rows removed."""

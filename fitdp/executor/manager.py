@@ -328,6 +328,21 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
             for ex in g.executors:
                 ex.reset_loss()
 
+    def loss_sums(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each executor's (sum of per-row losses, rows) since ``reset_loss`` (checkpoints)."""
+        return [ex.fold_losses() for g in self.groups.values() for ex in g.executors]
+
+    def restore_loss(self, sums: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Put ``loss_sums`` back: each executor's own (bit for bit the sums it would have),
+        or with other executors their total on the first."""
+        self.reset_loss()
+        executors = [ex for g in self.groups.values() for ex in g.executors]
+        if len(sums) != len(executors):
+            sums = [[torch.stack([torch.as_tensor(s[i]) for s in sums]).sum() for i in (0, 1)]]
+        for ex, (total, count) in zip(executors, sums):
+            ex.loss_sum.copy_(total)
+            ex.loss_count.copy_(count)
+
     def reserve(self, descs: Sequence[Any]) -> None:
         """Allocate input buffers for a full batch of ``descs`` (``DataDesc``) up front, so
         smaller buckets take views of them instead of re-allocating. A layout that is not

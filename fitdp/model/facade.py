@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitdp.call.modes import Modes
 from fitdp.call.plan import CallPlan, legacy_data, plan_call, plan_fit
 from fitdp.call.ranks import DEFAULT_TIMEOUT
 from fitdp.call.replicas import Placement, Replicas
@@ -240,18 +241,19 @@ class Model(ModelIO, ModelExtras):
     def _call(self, plan: CallPlan, trainer: Compiled | None) -> Iterator[Session]:
         """Run a call on replicas for its placement. On any error or interrupt the model is
         left as after its last completed optimizer step; the host module always ends with
-        the averaged weights and the train/eval mode it had."""
+        the averaged weights and every submodule in the train/eval mode it had
+        (``fitdp.call.modes``)."""
         if self._session is not None:
             raise RuntimeError("fit/evaluate/predict: called from inside another call (a "
                                "callback); run it after the current call returns")
-        training = self.module.training
+        modes = Modes(self.module)
         positions = [(s, s.state_dict()) for s in plan.borrowed]
         plan.join()  # under torchrun: the process group, and every rank's data compared
         replicas = self._attach(plan.placement, trainer)
         for source in (plan.source, getattr(plan, "val", None)):
             if source is not None:
                 replicas.prepare(source.plan())
-        session = Session(trainer, replicas, self.run, plan)
+        session = Session(trainer, replicas, self.run, plan, modes)
         self._session = session
         try:
             with GUARD.installed():
@@ -273,8 +275,7 @@ class Model(ModelIO, ModelExtras):
             for source, position in positions:  # read from the start, given back unmoved
                 source.load_state_dict(position)
             replicas.store_host(self.module)
-            if self.module.training is not training:
-                self.module.train(training)
+            modes.restore(self.module)
 
     def _attach(self, placement: Placement, trainer: Compiled | None) -> Replicas:
         """The replicas for ``placement`` (reused when they fit), holding the host weights,

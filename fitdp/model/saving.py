@@ -15,6 +15,7 @@ from fitdp.saving.async_writer import AsyncCheckpointWriter
 from fitdp.saving.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fitdp.saving.entries import (
     RNG,
+    Entry,
     OptimizerState,
     Skipped,
     Stateful,
@@ -87,6 +88,9 @@ class ModelIO:
     def _checkpoint_objects(self, origin: str, *, strict: bool = True) -> dict[str, Stateful]:
         """The objects a checkpoint is made of, in load order; each saves itself."""
         objects: dict[str, Stateful] = {"module": ModuleState(self, origin, strict=strict)}
+        replicas = self._replicas
+        if replicas is not None:  # after "module": it loads the replicas with the average
+            objects["replica_buffers"] = Entry(replicas.own_buffers, replicas.load_own_buffers)
         trainer = self._trainer
         if trainer is not None:
             objects["optimizer"] = OptimizerState(trainer.optimizer)
@@ -97,6 +101,7 @@ class ModelIO:
         session = self._session
         if session is not None and isinstance(session.plan, FitPlan):
             objects["data"] = session.data_position()
+            objects["logs"] = session.epoch_logs
             objects["callbacks"] = session.plan.callbacks
         objects["rng"] = RNG
         return objects

@@ -70,6 +70,54 @@ class OptimizerState:
 RNG = Entry(capture_rng_state, restore_rng_state)
 
 
+class EpochLogs:
+    """The training epoch's running loss sums and metric states, as a checkpoint entry: a
+    resume in the middle of an epoch goes on with them, so the epoch's logs (History,
+    EarlyStopping, ``ModelCheckpoint(monitor=...)``) equal the uninterrupted run's.
+
+    Saved only during the epoch's batches (``live``), as of the last optimizer step (the
+    position a checkpoint resumes from): with gradient accumulation ``mark`` keeps that
+    step's copy (a copy of the metric states per optimizer step; none without accumulation).
+
+    Args:
+        manager: the executor manager (``loss_sums``, ``restore_loss``).
+        metrics: the per-device metric clones (``state_dict``, ``load_state_dict``) or None.
+        run: the run state (``micro_step``: batches since the last step).
+    """
+
+    def __init__(self, manager: Any, metrics: Any, run: Any) -> None:
+        self.manager, self.metrics, self.run = manager, metrics, run
+        self.live = False
+        self.marked: dict[str, Any] | None = None  # the last step's, with accumulation
+        self.pending: dict[str, Any] | None = None  # loaded, for the resumed epoch
+
+    def _now(self) -> dict[str, Any]:
+        return {"loss": [[s.clone(), n.clone()] for s, n in self.manager.loss_sums()],
+                "metrics": self.metrics.state_dict() if self.metrics else None}
+
+    def mark(self) -> None:
+        """An optimizer step ended: keep the logs as of it."""
+        self.marked = self._now()
+
+    def state_dict(self) -> dict[str, Any] | None:
+        if not self.live:
+            return None
+        return self._now() if self.run.micro_step == 0 else self.marked
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = state
+
+    def begin(self) -> None:
+        """A training epoch's batches begin (after its logs were reset): saved from now on,
+        and in a fit resumed in the middle of this epoch, the loaded logs put back."""
+        state, self.pending, self.marked, self.live = self.pending, None, None, True
+        if state is None or not self.run.batch:
+            return
+        self.manager.restore_loss(state["loss"])
+        if self.metrics and state.get("metrics") is not None:
+            self.metrics.load_state_dict(state["metrics"])
+
+
 class Skipped(NamedTuple):
     """What a ``strict=False`` load left out: names the model lacks in the file, names the
     file has that the model lacks, and names whose shape or dtype differ."""

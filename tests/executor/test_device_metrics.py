@@ -1,5 +1,6 @@
 """DeviceMetrics: per-device clones merged with torchmetrics' merge_state, exact for every state
-kind; no metric keeps a reused buffer or autograd history; unmergeable metrics refused early."""
+kind; no metric keeps a reused buffer or autograd history; unmergeable metrics and those that
+read logits per update updated once per batch, as one device."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torchmetrics import Metric
-from torchmetrics.aggregation import MaxMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, MulticlassAccuracy
 from torchmetrics.image import PeakSignalNoiseRatio
 from torchmetrics.regression import PearsonCorrCoef
@@ -195,6 +195,7 @@ def test_label_view_of_reused_buffer_is_not_kept(n_devices: int) -> None:
     for d in range(n_devices):
         buffer.copy_(torch.tensor([1, 1, 0, 0]))
         dm.update(d, preds, buffer[:4])
+        dm.end_batch()  # as the executor does after each batch's hand-off
         buffer.copy_(torch.tensor([0, 0, 1, 1]))  # the next batch overwrites the buffer
     logs = dm.compute()
     assert logs == {"auroc": 1.0, "first": 1.0}
@@ -210,6 +211,7 @@ def test_outputs_with_autograd_history_several_replicas() -> None:
     y = torch.tensor([0, 1] * 4)
     dm.update(0, net(x[:4]), y[:4])
     dm.update(1, net(x[4:]), y[4:])
+    dm.end_batch()
     states = [t for clones in dm.clones for v in clones["auroc"].metric_state.values()
               for t in (v if isinstance(v, list) else [v])]
     assert states and all(t.grad_fn is None and not t.requires_grad for t in states)
@@ -253,22 +255,27 @@ def test_merge_state_override_working_in_place_is_accepted_and_exact() -> None:
         assert dm.compute() == {"n": 5.0 * (step + 1)}
 
 
-@pytest.mark.parametrize(("metric", "why"), [
-    (MaxMetric(), "full_state_update=True"),
-    (PearsonCorrCoef(), "full_state_update=True"),
-    (Undeclared(), "full_state_update = False"),
-    (BinaryAccuracy(dist_sync_on_step=True), "dist_sync_on_step"),
-])
-def test_unmergeable_metric_refused_at_construction(metric: Metric, why: str) -> None:
-    """torchmetrics' merge_state raises for full_state_update=True (or undeclared) and for
-    dist_sync_on_step=True; fitdp says so when the clones are made, before any step, naming
-    the metric and the fix. One device needs no merge and accepts it."""
-    with pytest.raises(ValueError, match=r"metrics: 'bad' \(") as info:
-        DeviceMetrics({"bad": metric}, [CPU, CPU])
-    message = str(info.value)
-    assert type(metric).__name__ in message and "merge_state" in message
-    assert why in message and "Fix: train on one device" in message
-    assert DeviceMetrics({"bad": metric}, [CPU])
+@pytest.mark.parametrize("make", [PearsonCorrCoef, Undeclared,
+                                  lambda: BinaryAUROC(dist_sync_on_step=True)])
+@pytest.mark.parametrize("loads", [[1, 1], [1, 3, 1]])
+def test_unmergeable_metric_equals_one_device(make: Callable[[], Metric], loads: list[int]
+                                              ) -> None:
+    """Regression (issue 17.4): metrics merge_state refuses (full_state_update=True such as
+    PearsonCorrCoef, undeclared, dist_sync_on_step=True) were refused on several devices;
+    they update once per batch with the slices joined in device order: one device's value."""
+    g = torch.Generator().manual_seed(0)
+    dm = DeviceMetrics({"m": make()}, [CPU] * len(loads))
+    one = make()
+    for _ in range(3):
+        preds, target = torch.rand(10, generator=g), torch.rand(10, generator=g)
+        if isinstance(one, BinaryAUROC):
+            target = target.round().long()
+        slices = fitdp.executor.split_input_slice(10, loads)
+        for d, sl in enumerate(slices):
+            dm.update(d, preds[sl], target[sl])
+        dm.end_batch()
+        one.update(preds, target)
+        assert dm.compute() == {"m": float(one.compute())}
 
 
 @pytest.mark.parametrize("bad", [5, "accuracy", 2.5])
