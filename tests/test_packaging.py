@@ -96,3 +96,38 @@ def test_install_docs_say_which_torch_build_the_pin_takes():
         assert "takes the CPU build" not in text and "# the CPU build" not in text, page
         assert "CUDA build" in text and "nvidia-*" in text, page
         assert "--index-url https://download.pytorch.org/whl/cpu" in text, page
+
+
+def test_the_package_metadata_carries_fitdp_version(tmp_path):
+    """Regression (issue 17 item 20): ``fitdp.__version__`` said 0.2.0 while the metadata
+    pyproject.toml gave pip said 0.1.0. The version lives in fitdp/_version.py alone and the
+    metadata setuptools builds from this pyproject.toml reads it from there."""
+    import shutil
+    import subprocess
+
+    import fitdp
+
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "fitdp", tmp_path / "fitdp",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "meta"
+    out.mkdir()
+    build = ("import sys, setuptools.build_meta as b; "
+             "print(b.prepare_metadata_for_build_wheel(sys.argv[1]))")
+    info = subprocess.run([sys.executable, "-c", build, str(out)], cwd=tmp_path, check=True,
+                          capture_output=True, text=True, timeout=300).stdout.split()[-1]
+    metadata = (out / info / "METADATA").read_text()
+    assert re.search(r"^Version: (\S+)$", metadata, re.M).group(1) == fitdp.__version__
+    # the [project] table (tomllib is Python 3.11+; fitdp supports 3.10)
+    project = (ROOT / "pyproject.toml").read_text().split("\n[project]\n")[1].split("\n[")[0]
+    assert not re.search(r"^version\s*=", project, re.M)
+    assert re.search(r"^dynamic\s*=\s*\[\s*\"version\"", project, re.M)
+
+
+def test_no_page_or_docstring_points_to_an_api_md_that_is_not_there():
+    """Regression (issue 17 item 20): docs/api.md and the compile/fit docstrings sent readers
+    to an ``API.md`` the project does not have; the reference is docs/api.md."""
+    bad = [str(p.relative_to(ROOT)) for d in ("fitdp", "docs") for p in (ROOT / d).rglob("*")
+           if p.suffix in (".py", ".md") and re.search(r"(?<![\w/])API\.md", p.read_text())]
+    assert not bad, f"these point to a missing API.md: {bad}"

@@ -44,8 +44,11 @@ class TerminateOnNaN(Callback):
         if loss is None or is_finite(loss):
             return
         if self.raise_error:
-            raise RuntimeError(f"TerminateOnNaN: NaN or Inf loss ({loss}) at batch {batch}; "
-                               "training stopped without running on_train_end.")
+            # Keras 3's own words (keras/src/callbacks/terminate_on_nan.py), so code that
+            # matches the message keeps working; fitdp adds what does not run.
+            raise RuntimeError(f"NaN or Inf loss encountered at batch {batch}. Loss value: "
+                               f"{loss}. Terminating training immediately (TerminateOnNaN: "
+                               "on_train_end does not run).")
         if self._is_main_process():
             logger.warning("Batch %d: invalid loss %s, terminating training.", batch, loss)
         self.model.stop_training = True

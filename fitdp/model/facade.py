@@ -119,7 +119,7 @@ class Model(ModelIO, ModelExtras):
         strategy: Strategy = "auto",
         weighted_metrics: MetricsArg = None,
     ) -> None:
-        """Choose the optimizer, loss and metrics (see API.md); resets the optimizer state.
+        """Choose the optimizer, loss and metrics (see docs/api.md); resets the optimizer state.
 
         ``loss`` may be a list or dict of losses for a module with several outputs, summed
         with ``loss_weights``; Keras's loss and metric names work too, on logits (see
@@ -154,7 +154,7 @@ class Model(ModelIO, ModelExtras):
             work_load_list: Sequence[float] | str | None = None, seed: int | None = None,
             monitor: Monitor | None = None, resume: Any = None, log_every: int = 50,
             timeout: float = DEFAULT_TIMEOUT, **legacy: Any) -> History:
-        """Train for ``epochs`` epochs; returns the ``History`` (see API.md and Keras's fit).
+        """Train for ``epochs`` epochs; returns the ``History`` (see docs/api.md and Keras's fit).
 
         ``seed`` fixes the data order and torch's generator (dropout) for this fit: the same
         seed gives bit-for-bit the same run on the same devices. ``log_every``: batches

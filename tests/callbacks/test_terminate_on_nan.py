@@ -33,9 +33,25 @@ def test_terminate_on_nan_raise_error_like_keras(loss):
     cbs = CallbackList([stop, LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(b))],
                        model=model)
     cbs.call("on_train_batch_end", 0, {"loss": 1.0})
-    with pytest.raises(RuntimeError, match=r"NaN or Inf loss \(.*\) at batch 3"):
+    with pytest.raises(RuntimeError, match=r"NaN or Inf loss encountered at batch 3"):
         cbs.call("on_train_batch_end", 3, {"loss": loss})
     assert seen == [0] and not model.stop_training
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf")])
+def test_terminate_on_nan_message_carries_keras_wording(loss):
+    """Regression (issue 17 item 10): raise_error's message was fitdp's own ("TerminateOnNaN:
+    NaN or Inf loss (nan) at batch 2"), so code matching Keras's text missed it. Keras 3,
+    keras/src/callbacks/terminate_on_nan.py (TerminateOnNaN.on_batch_end) raises
+    RuntimeError(f"NaN or Inf loss encountered at batch {batch}. Loss value: {loss}.
+    Terminating training immediately."): fitdp's message starts with exactly that text."""
+    stop = TerminateOnNaN(raise_error=True)
+    attach(stop)
+    with pytest.raises(RuntimeError) as info:
+        stop.on_train_batch_end(2, {"loss": loss})
+    keras_text = (f"NaN or Inf loss encountered at batch 2. Loss value: {loss}. "
+                  f"Terminating training immediately")
+    assert str(info.value).startswith(keras_text), str(info.value)
 
 
 def test_terminate_on_nan_ignores_logs_without_loss():
