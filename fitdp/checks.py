@@ -54,22 +54,52 @@ def fail(name: str, got: Any, expected: str, fix: str = "", *,
     raise error(f"{name}: got {received}; expected {expected}.{tail}")
 
 
-def check_int(name: str, value: Any, minimum: int | None = None, *, fix: str = "") -> int:
-    """``value`` as an int (numpy ints too; bools refused), at least ``minimum``.
+def reworded(err: Exception, message: str, fallback: type[Exception] = RuntimeError
+             ) -> Exception:
+    """``err``'s own class with ``message`` (raise it ``from err``), or ``fallback`` for an
+    exception class that takes other arguments. ``first_line(err)`` is what to quote."""
+    try:
+        return type(err)(message)
+    except Exception:  # noqa: BLE001 - its constructor wants something else
+        return fallback(message)
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message without its final period, or its class name."""
+    text = str(err).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(err).__name__
+
+
+def check_int(name: str, value: Any, minimum: int | None = None, *, maximum: int | None = None,
+              fix: str = "") -> int:
+    """``value`` as an int (numpy ints too; bools refused), from ``minimum`` to ``maximum``.
+
+    Args:
+        name: the argument's name.
+        value: what was received.
+        minimum, maximum: bounds, both included (None: unbounded). A count that reaches
+            torch or ``itertools`` is bounded by what a C integer holds (``sys.maxsize``),
+            so ``10**30`` is refused here instead of overflowing there.
+        fix: how to fix a bad value.
 
     Raises:
-        TypeError: not an int. ValueError: below ``minimum``.
+        TypeError: not an int. ValueError: out of bounds.
 
     Example:
         >>> check_int("epochs", 3, 0)
         3
     """
-    expected = "an int" if minimum is None else f"an int >= {minimum}"
+    if maximum is None:
+        expected = "an int" if minimum is None else f"an int >= {minimum}"
+    else:
+        expected = f"an int <= {maximum}" if minimum is None else (
+            f"an int from {minimum} to {maximum}")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         fail(name, value, expected, fix, error=TypeError)
-    if minimum is not None and value < minimum:
+    v = int(value)
+    if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
         fail(name, value, expected, fix)
-    return int(value)
+    return v
 
 
 def check_number(name: str, value: Any, *, low: float | None = None,

@@ -5,6 +5,7 @@ changes: the data sources, callbacks, placement and options of ``fit``/``evaluat
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -88,9 +89,9 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
     for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
                              ("initial_epoch", initial_epoch, 0), ("log_every", log_every, 1)):
         check_int(name, value, low)
-    steps = None if steps_per_epoch is None else check_int("steps_per_epoch", steps_per_epoch, 1)
-    val_steps = None if validation_steps is None else check_int("validation_steps",
-                                                                validation_steps, 1)
+    steps = None if steps_per_epoch is None else _steps("steps_per_epoch", steps_per_epoch)
+    val_steps = None if validation_steps is None else _steps("validation_steps",
+                                                             validation_steps)
     val_batch = batch_size if validation_batch_size is None else check_int(
         "validation_batch_size", validation_batch_size, 1)
     val_freq = _validation_freq(validation_freq)
@@ -100,7 +101,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         check_choice("shuffle", shuffle, (True, False))
     check_number("timeout", timeout, low=0, low_open=True, fix="pass seconds, e.g. timeout=600")
     seed = _seed(seed)
-    if validation_split:
+    if _splits(validation_split):
         if validation_data is not None:
             fail("validation_split", validation_split, "validation_split or validation_data, "
                  "not both", "drop one of them")
@@ -141,7 +142,7 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
               has_labels: bool, work_load_list: Any = None) -> CallPlan:
     """``evaluate`` (``has_labels``) or ``predict``."""
     check_int("batch_size", batch_size, 1)
-    steps = None if steps is None else check_int("steps", steps, 1)
+    steps = None if steps is None else _steps("steps", steps)
     placement, auto = _place(model, devices, work_load_list, None)
     ranks = placement.ranks
     source = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=False, seed=0,
@@ -202,12 +203,29 @@ def _callbacks(model: Any, callbacks: Any, verbose: Any, **params: Any) -> Callb
                         params={"verbose": level, **params})
 
 
+def _steps(name: str, steps: Any) -> int:
+    """A batch count: at least 1, and one ``itertools.islice`` can count to."""
+    return check_int(name, steps, 1, maximum=sys.maxsize)
+
+
 def _seed(seed: Any) -> int:
     """The data-order seed: ``seed``, or one drawn from torch's global RNG so that
     ``torch.manual_seed`` makes the order reproducible."""
     if seed is None:
         return int(torch.randint(0, 2**62, (1,)).item())
-    return check_int("seed", seed)
+    # torch.manual_seed's range (it takes a 64-bit seed, signed or not)
+    return check_int("seed", seed, -(2**63), maximum=2**64 - 1)
+
+
+def _splits(fraction: Any) -> bool:
+    """Whether ``validation_split`` asks for a split: 0 (and None) do not; anything else must
+    be a fraction in (0, 1) (an empty list is falsy but no fraction: refused, not ignored)."""
+    if fraction is None or (isinstance(fraction, (int, float)) and not isinstance(
+            fraction, bool) and fraction == 0):
+        return False
+    check_number("validation_split", fraction, low=0, high=1, low_open=True, high_open=True,
+                 fix="pass a fraction such as 0.2, or 0 for no split")
+    return True
 
 
 def _validation_freq(freq: Any) -> int | Sequence[int]:

@@ -180,7 +180,7 @@ class Session:
 
     def _step_replicas(self) -> None:
         trainer = self.trainer
-        assert trainer is not None  # noqa: S101
+        assert trainer is not None and trainer.optimizer is not None  # noqa: S101 - fit checked
         self.mgr.step(trainer.optimizer, scaler=trainer.scaler,
                       clip_norm=trainer.config.grad_clip_norm)
 

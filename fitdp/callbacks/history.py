@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from fitdp.callbacks.base import Callback
@@ -14,6 +16,10 @@ class History(Callback):
     Attributes:
         history: `dict[str, list[float]]`, one value per epoch for each log key.
         epoch: the epoch indices (0-based) the values belong to.
+        model: the model it recorded, held by a weak reference: the model keeps its History
+            (`model.history`), and a strong reference back would make the pair a cycle that
+            only the garbage collector frees, worker threads included; `del model` frees
+            them at once. None once the model is gone.
 
     Example:
         >>> h = History()
@@ -31,6 +37,29 @@ class History(Callback):
         self.epoch: list[int] = []
         self._last_logs: dict[str, float] | None = None
         self._recorded: set[str] = set()  # keys of `_last_logs` taken at its epoch's end
+
+    @property  # type: ignore[override]
+    def model(self) -> Any:
+        ref = self.__dict__.get("_model_ref")
+        return None if ref is None else ref()
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._model_ref: Callable[[], Any] | None
+        try:
+            self._model_ref = None if model is None else weakref.ref(model)
+        except TypeError:  # an object without weak references: held as it is
+            self._model_ref = lambda: model
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (and deep-copied) with the model in place of the weak reference."""
+        return {**self.__dict__, "_model_ref": self.model}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        model = state.pop("_model_ref", None)
+        self.__dict__.update(state)
+        self.model = model
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         # A reused History starts over; a resumed fit loads its state after this.

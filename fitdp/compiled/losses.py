@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fitdp.checks import check_number, fail
+from fitdp.checks import check_number, fail, first_line, reworded
 from fitdp.compiled.keras_names import BINARY_LOSSES, LOSS_ALIASES, canonical_loss, check_outputs
 from fitdp.data.batch import tree_leaves, tree_names
 
@@ -265,7 +265,7 @@ def explain_failure(err: Exception, batch: Any, origin: str) -> Exception:
         return ", ".join(f"{n} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
                          for n, t in zip(tree_names(tree, prefix), tree_leaves(tree))) or "none"
 
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = first_line(err)
     hint = "check that the data matches what the module's forward and the loss expect"
     ints = [t for t in tree_leaves(batch.data) if not t.is_floating_point()]
     if ints and ("dtype" in text or "scalar type" in text or "Long" in text):
@@ -279,7 +279,4 @@ def explain_failure(err: Exception, batch: Any, origin: str) -> Exception:
                f"{type(err).__name__}: {text}. The batch came from {origin}: inputs "
                f"{describe(batch.data, 'x')}; targets {describe(batch.label, 'y')}. "
                f"Likely fix: {hint}.")
-    try:
-        return type(err)(message)
-    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
-        return RuntimeError(message)
+    return reworded(err, message)

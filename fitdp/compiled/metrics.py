@@ -14,6 +14,7 @@ from torchmetrics.classification import (
     MulticlassStatScores,
 )
 
+from fitdp.checks import first_line, reworded
 from fitdp.compiled.metric_specs import MetricsArg, MetricSpec, metric_specs, snake_case
 from fitdp.data.batch import tree_cat, tree_leaves, tree_map
 from fitdp.data.sequence import batch_first
@@ -87,7 +88,7 @@ class DeviceMetrics:
                     m.compute_with_cache = False
                 if _reads_range(spec.metric) or not _mergeable(clones):
                     self.whole.append(name)
-        self._sliced = [[s for n, s in specs.items() if n not in self.whole]
+        self._sliced = [[(n, s) for n, s in specs.items() if n not in self.whole]
                         for specs in self.specs]
         self._pending: list[tuple[Any, Any, Any] | None] = [None] * len(self.devices)
         self.reset()
@@ -122,8 +123,8 @@ class DeviceMetrics:
         sliced = self._sliced[device_index]
         if sliced:
             inputs = {_storage(t) for t in tree_leaves((outputs, labels, weight))}
-            for spec in sliced:
-                _update_owned(spec, outputs, labels, weight, inputs)
+            for name, spec in sliced:
+                _update_owned(name, spec, outputs, labels, weight, inputs)
 
     def end_batch(self, axis: int = 0) -> None:
         """After every device's ``update`` of a batch: update the metrics that need the
@@ -141,7 +142,7 @@ class DeviceMetrics:
         outputs, labels, weight = joined
         inputs = {_storage(t) for t in tree_leaves(joined)}
         for name in self.whole:
-            _update_owned(self.specs[0][name], outputs, labels, weight, inputs)
+            _update_owned(name, self.specs[0][name], outputs, labels, weight, inputs)
 
     def reset(self) -> None:
         """Reset every clone (the start of an epoch, of an evaluation)."""
@@ -235,16 +236,21 @@ def _mergeable(clones: Sequence[Metric]) -> bool:
     return True
 
 
-def _update_owned(spec: MetricSpec, outputs: Any, labels: Any, weight: torch.Tensor | None,
-                  inputs: set[int]) -> None:
+def _update_owned(name: str, spec: MetricSpec, outputs: Any, labels: Any,
+                  weight: torch.Tensor | None, inputs: set[int]) -> None:
     """``spec``'s update, then copy every state that shares storage with an input
     (``inputs``: their storages). Only such a state can see the next batch overwrite it (a
     'cat' list holding the label view, a tensor state set to an input); states computed from
-    the inputs (counts, sums, sigmoids) own new storage: accuracy-like metrics never pay."""
+    the inputs (counts, sums, sigmoids) own new storage: accuracy-like metrics never pay.
+    A failing update is raised naming the metric (log key ``name``)."""
     m = spec.metric
     lengths = {} if m is None else {
         k: len(v) for k, v in m.metric_state.items() if isinstance(v, list)}
-    m = spec.update(outputs, labels, weight if spec.weighted else None)
+    try:
+        m = spec.update(outputs, labels, weight if spec.weighted else None)
+    except Exception as err:
+        kind = type(spec.metric).__name__ if spec.metric is not None else str(spec.name)
+        raise metric_failure(name, kind, outputs, labels, err) from err
     for key, value in m.metric_state.items():
         if isinstance(value, torch.Tensor):
             if _storage(value) in inputs:
@@ -254,6 +260,23 @@ def _update_owned(spec: MetricSpec, outputs: Any, labels: Any, weight: torch.Ten
         for i in range(start, len(value)):
             if isinstance(value[i], torch.Tensor) and _storage(value[i]) in inputs:
                 value[i] = value[i].clone()
+
+
+def metric_failure(name: str, kind: str, outputs: Any, labels: Any, err: Exception
+                   ) -> Exception:
+    """``err`` from a metric's update, naming the metric (its log key and ``kind``: its class,
+    or the Keras name it is built from) and what it was given, so it does not read as the
+    module's or the loss's failure."""
+    def shapes(tree: Any) -> str:
+        return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                         for t in tree_leaves(tree)) or "none"
+
+    return reworded(err, (
+        f"metrics: {name!r} ({kind}) failed to update on outputs "
+        f"{shapes(outputs)} and targets {shapes(labels)}: {type(err).__name__}: "
+        f"{first_line(err)}. Fix: build the metric for this model's outputs (e.g. num_classes "
+        f"equal to the size of its last layer) or leave it out of compile(metrics=...)."),
+        ValueError)
 
 
 @contextmanager

@@ -71,7 +71,8 @@ def build_optimizer(optimizer: OptimizerArg, module: nn.Module, lr: float | None
         # A user's Optimizer subclass: ``lr`` is its own __init__'s, not the base class's.
         cls = cast(Callable[..., torch.optim.Optimizer], optimizer)
         return cls(params) if lr is None else cls(params, lr=lr)
-    built = optimizer(params)
+    built = _built("optimizer", optimizer, params,
+                   "lambda params: torch.optim.SGD(params, lr=0.1)")
     if not isinstance(built, torch.optim.Optimizer):
         fail("optimizer", f"a callable that returned {type(built).__name__}",
              "a callable(params) -> torch.optim.Optimizer", error=TypeError, described=True)
@@ -102,7 +103,8 @@ def build_scheduler(spec: Any, optimizer: torch.optim.Optimizer) -> tuple[Schedu
     ``(callable, "step")`` pair stepped per optimizer step.
 
     Raises:
-        ValueError, TypeError: a malformed spec; whatever the callable raises propagates.
+        ValueError, TypeError: a malformed spec, or one the callable refuses (naming
+            ``lr_scheduler``); anything else the callable raises propagates.
     """
     if spec is None:
         return None, "epoch"
@@ -115,12 +117,29 @@ def build_scheduler(spec: Any, optimizer: torch.optim.Optimizer) -> tuple[Schedu
     if not callable(spec):
         fail("lr_scheduler", spec, "a callable(optimizer) -> LRScheduler, e.g. "
              "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)", error=TypeError)
-    scheduler = spec(optimizer)
+    scheduler = _built("lr_scheduler", spec, optimizer,
+                       "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10)")
     if not callable(getattr(scheduler, "step", None)):
         fail("lr_scheduler", f"a callable that returned {type(scheduler).__name__}",
              "a callable(optimizer) returning a scheduler with step()", error=TypeError,
              described=True)
     return scheduler, interval
+
+
+def _built(name: str, factory: Callable[[Any], Any], arg: Any, example: str) -> Any:
+    """``factory(arg)``; a TypeError or ValueError it raises (a class passed without its
+    required arguments, e.g. ``StepLR``) comes back naming the argument, torch's error kept
+    as the cause."""
+    try:
+        return factory(arg)
+    except (TypeError, ValueError) as err:
+        what = getattr(factory, "__qualname__", type(factory).__name__)
+        given = "the parameters" if name == "optimizer" else "the optimizer"
+        raise type(err)(
+            f"{name}: calling {what} with {given} alone raised {type(err).__name__}: {err}; "
+            f"expected a callable that builds it from that one argument. Fix: give it its "
+            f"other arguments, e.g. {name}={example}."
+        ) from err
 
 
 def optimizer_kind_problem(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]

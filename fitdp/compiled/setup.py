@@ -4,6 +4,7 @@ and the precision. Built whole or not at all, so a failing piece changes nothing
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -52,7 +53,8 @@ class Compiled:
         config: what compile was given.
         objective: ``(outputs, targets[, sample_weight]) -> loss``.
         optimizer: built on the host module's parameters (carried to the replicas by the
-            model when they exist).
+            model when they exist); None for a module without parameters, which can be
+            evaluated but not trained.
         scheduler: the LR scheduler or None; ``interval`` is ``"epoch"`` or ``"step"``.
         metrics: log key -> metric spec (templates: never updated themselves).
         autocast_dtype: the autocast dtype of mixed precision, or None.
@@ -65,7 +67,7 @@ class Compiled:
     """
 
     def __init__(self, config: CompileConfig, objective: Objective,
-                 optimizer: torch.optim.Optimizer, scheduler: Scheduler, interval: str,
+                 optimizer: torch.optim.Optimizer | None, scheduler: Scheduler, interval: str,
                  metrics: dict[str, MetricSpec]) -> None:
         self.config = config
         self.objective = objective
@@ -87,7 +89,7 @@ class Compiled:
         check_choice("precision", config.precision, tuple(PRECISIONS))
         if config.grad_clip_norm is not None:
             check_number("grad_clip_norm", config.grad_clip_norm, low=0, low_open=True)
-        check_int("grad_accum_steps", config.grad_accum_steps, 1)
+        check_int("grad_accum_steps", config.grad_accum_steps, 1, maximum=sys.maxsize)
         lr = None if config.lr is None else check_number(
             "lr", config.lr, low=0, fix="pass a learning rate >= 0 (0 freezes the weights)")
         if not isinstance(config.compile, bool):
@@ -98,16 +100,32 @@ class Compiled:
         objective = Objective(config.loss, config.loss_weights)
         metrics = metric_specs(config.metrics, config.weighted_metrics,
                                objective.binary_outputs())
+        if not any(True for _ in module.parameters()):  # nn.Identity: nothing to optimize
+            return cls(config, objective, None, None, "epoch", metrics)
         # 16-mixed runs on CUDA only: a fused optimizer there spares GradScaler a sync a step.
         optimizer = build_optimizer(config.optimizer, module, lr,
                                     fused=config.precision == "16-mixed")
         scheduler, interval = build_scheduler(config.lr_scheduler, optimizer)
         return cls(config, objective, optimizer, scheduler, interval, metrics)
 
+    def trainable(self, module: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer ``fit`` steps.
+
+        Raises:
+            ValueError: ``module`` has no parameters (nothing to train; evaluate and predict
+                run it as it is).
+        """
+        if self.optimizer is None:
+            fail("module", f"{type(module).__name__}, which has no parameters",
+                 "a module with parameters to train", "evaluate or predict it as it is (they "
+                 "need no optimizer), or give the module trainable layers", described=True)
+        return self.optimizer
+
     @property
     def learning_rate(self) -> float | None:
         """The first parameter group's learning rate (the ``lr`` log key), or None."""
-        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        lr = groups[0].get("lr") if groups else None
         return float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
 
     def loss_scale(self) -> Any:

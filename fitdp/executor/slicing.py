@@ -32,6 +32,12 @@ def check_work_load_list(work_load_list: Sequence[float] | None, num_devices: in
                 f"finite number (a device's relative share of each batch)"
             )
         loads.append(float(w))
+    if not math.isfinite(sum(loads)):  # each share is load * rows / sum: it would overflow
+        raise ValueError(
+            f"work_load_list: got {list(work_load_list)}, whose sum is not a finite number; "
+            f"expected relative shares with a finite sum. Fix: scale them down, e.g. "
+            f"{[round(w / max(loads), 6) for w in loads]}."
+        )
     return loads
 
 
@@ -43,8 +49,14 @@ def check_work_load_arg(work_load_list: Sequence[float] | str | None, num_device
         >>> check_work_load_arg("auto", 2), check_work_load_arg(None, 2)
         ('auto', [1.0, 1.0])
     """
-    if isinstance(work_load_list, str) and work_load_list == "auto":
-        return "auto"
+    if isinstance(work_load_list, str):  # the right type, so a wrong value: ValueError
+        if work_load_list == "auto":
+            return "auto"
+        raise ValueError(
+            f"work_load_list: got {work_load_list!r}; expected 'auto' (loads measured while "
+            f"training) or a list of {num_devices} positive numbers, one per device. Fix: "
+            f"pass work_load_list='auto' or a list such as {[1] * num_devices}."
+        )
     return check_work_load_list(work_load_list, num_devices)  # type: ignore[arg-type]
 
 

