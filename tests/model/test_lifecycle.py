@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -40,19 +41,32 @@ def test_del_model_releases_its_worker_threads_without_the_garbage_collector():
     model weakly; dropping the last reference stops the threads at once."""
     use(make())  # first use: torch's lazy imports leave cycles of their own behind
     gc.collect()
+    assert settled() == []  # earlier tests' models, collected
     gc.disable()
     try:
-        before = threading.active_count()
         for _ in range(5):
             model = make()
             use(model)
-            assert threading.active_count() == before + 1  # one worker for device 1
+            assert len(workers()) == 1  # one worker thread, for device 1
             history = model.history
             del model
-            assert threading.active_count() == before
+            assert settled() == []  # stopped by del, with the collector off
             assert history.model is None and len(history.history["loss"]) == 2
     finally:
         gc.enable()
+
+
+def workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("fitdp-device-")]
+
+
+def settled(seconds: float = 10.0) -> list[threading.Thread]:
+    """The worker threads still alive after up to ``seconds``: a dropped model's workers
+    are told to stop, not joined, so they end a moment later."""
+    deadline = time.monotonic() + seconds
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return workers()
 
 
 def test_deepcopy_of_a_model_with_a_lambda_bucket_module():
