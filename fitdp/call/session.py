@@ -33,7 +33,8 @@ from fitdp.executor.interrupts import GUARD
 from fitdp.executor.monitor import Monitor
 from fitdp.saving.entries import Entry, EpochLogs
 
-_FITDP_DIR = os.path.dirname(os.path.abspath(__file__))
+# the package's folder (this file is in fitdp/call/): an error raised anywhere in fitdp
+_FITDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class Session:

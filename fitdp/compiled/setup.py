@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.checks import check_choice, check_int, check_number
+from fitdp.checks import check_choice, check_int, check_number, fail
 from fitdp.compiled.losses import Objective
 from fitdp.compiled.metrics import MetricsArg, MetricSpec, metric_specs
 from fitdp.compiled.optimizers import OptimizerArg, Scheduler, build_optimizer, build_scheduler
