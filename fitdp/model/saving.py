@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,31 +39,34 @@ if TYPE_CHECKING:
 
 class ModuleState:
     """The model's weights as a checkpoint entry: saved averaged over the replicas, loaded
-    into the host module and every replica after every name, shape and dtype is checked."""
+    into the host module and every replica after every name, shape and dtype is checked.
 
-    def __init__(self, model: ModelIO, origin: str, *, strict: bool = True,
+    ``sync_host`` averages the replicas into ``module``; ``load_replicas`` copies ``module``
+    into every replica (both the model's, handed over so no private field is read here)."""
+
+    def __init__(self, module: nn.Module, sync_host: Callable[[], None],
+                 load_replicas: Callable[[], None], origin: str, *, strict: bool = True,
                  error: type[Exception] = CheckpointError) -> None:
-        self.model, self.origin, self.strict, self.error = model, origin, strict, error
+        self.module, self.sync_host, self.load_replicas = module, sync_host, load_replicas
+        self.origin, self.strict, self.error = origin, strict, error
         self.skipped = Skipped([], [], [])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        self.model._sync_host()
+        self.sync_host()
         # The host tensors themselves, no copy: a save serialises them before returning.
-        return self.model.module.state_dict()
+        return self.module.state_dict()
 
     def problem(self, state: Any) -> None:
         """Raises ``error`` (naming the first mismatching tensor) when ``state`` does not fit."""
-        check_weights(self.model.module.state_dict(), state, origin=self.origin,
+        check_weights(self.module.state_dict(), state, origin=self.origin,
                       strict=self.strict, error=self.error)
 
     def load_state_dict(self, state: Any) -> None:
-        model = self.model
-        load, self.skipped = check_weights(model.module.state_dict(), state, origin=self.origin,
+        load, self.skipped = check_weights(self.module.state_dict(), state, origin=self.origin,
                                            strict=self.strict, error=self.error)
-        model._sync_host()
-        model.module.load_state_dict(load, strict=False)
-        if model._replicas is not None:
-            model._replicas.load_host(model.module)
+        self.sync_host()
+        self.module.load_state_dict(load, strict=False)
+        self.load_replicas()
 
 
 class ModelIO:
@@ -83,11 +87,21 @@ class ModelIO:
         if self._replicas is not None:
             self._replicas.store_host(self.module)
 
+    def _load_replicas(self) -> None:
+        """Copy the host module into every replica (a no-op without replicas)."""
+        if self._replicas is not None:
+            self._replicas.load_host(self.module)
+
+    def _module_state(self, origin: str, *, strict: bool = True,
+                      error: type[Exception] = CheckpointError) -> ModuleState:
+        return ModuleState(self.module, self._sync_host, self._load_replicas, origin,
+                           strict=strict, error=error)
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def _checkpoint_objects(self, origin: str, *, strict: bool = True) -> dict[str, Stateful]:
         """The objects a checkpoint is made of, in load order; each saves itself."""
-        objects: dict[str, Stateful] = {"module": ModuleState(self, origin, strict=strict)}
+        objects: dict[str, Stateful] = {"module": self._module_state(origin, strict=strict)}
         replicas = self._replicas
         if replicas is not None:  # after "module": it loads the replicas with the average
             objects["replica_buffers"] = Entry(replicas.own_buffers, replicas.load_own_buffers)
@@ -199,7 +213,7 @@ class ModelIO:
         Raises:
             ValueError: a name, shape or dtype that does not match (nothing is written).
         """
-        entry = ModuleState(self, "set_weights(weights)", strict=strict, error=ValueError)
+        entry = self._module_state("set_weights(weights)", strict=strict, error=ValueError)
         entry.load_state_dict(weights)
         warn_skipped(entry.skipped, "set_weights")
         return entry.skipped
@@ -225,7 +239,7 @@ class ModelIO:
                 (nothing is written); ``strict=False`` loads what fits instead.
         """
         path = check_path("path", path, must_exist=True)
-        entry = ModuleState(self, path, strict=strict)
+        entry = self._module_state(path, strict=strict)
         entry.load_state_dict(load_weights_file(path))
         warn_skipped(entry.skipped, path)
         return entry.skipped

@@ -1,0 +1,59 @@
+"""No fitdp module reads or writes another fitdp module's private fields (issue 18 item 5:
+model_io read ``model._replicas`` and ``model._sync_host``, replicas.py wrote
+``trainer.scaler``): a private name (``_x``) may be reached through ``self``/``cls`` or, for
+objects of its own file, by any name; from any other file only through a public name."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fitdp
+
+ROOT = Path(fitdp.__file__).resolve().parent
+# torch.nn.Module's own tables, which bucket sharing writes as torch's docs do (a fitdp class
+# may use the same name for a field of its own).
+TORCH_FIELDS = {"_parameters", "_buffers", "_modules"}
+
+
+def private_names(tree: ast.AST) -> set[str]:
+    """The private names a file defines: functions, classes, class fields, ``self._x = ...``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def foreign_private_access(files: dict[str, ast.AST]) -> list[str]:
+    defined = {name: private_names(tree) for name, tree in files.items()}
+    everywhere = set().union(*defined.values()) - TORCH_FIELDS
+    found = []
+    for name, tree in files.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr in everywhere):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr not in defined[name]:
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_fields():
+    files = {str(p.relative_to(ROOT)): ast.parse(p.read_text()) for p in ROOT.rglob("*.py")}
+    assert foreign_private_access(files) == []
+
+
+def test_the_check_sees_a_foreign_private_read():
+    files = {
+        "a.py": ast.parse("class Model:\n    def __init__(self):\n        self._replicas = 1\n"),
+        "b.py": ast.parse("def save(model):\n    return model._replicas\n"),
+    }
+    assert foreign_private_access(files) == ["b.py:2: model._replicas"]
