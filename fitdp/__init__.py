@@ -12,13 +12,16 @@ from fitdp.data.batch import DataBatch, DataDesc
 from fitdp.data.bucketing import BucketIterator
 from fitdp.data.sequence import TokenMean
 from fitdp.executor.engines import DDP, FSDP
+from fitdp.executor.gather import all_gather
 from fitdp.executor.monitor import Monitor
 from fitdp.model.facade import Model
+from fitdp.model.steps import unpack_x_y_sample_weight
 from fitdp.saving.checkpoint import CheckpointError
 from fitdp.saving.export import load_predictor
 
 __all__ = [
     "DDP", "FSDP", "BucketIterator", "CheckpointError", "DataBatch", "DataDesc", "Model",
     "Monitor", "TokenMean",
-    "__version__", "callbacks", "executor", "load_predictor",
+    "__version__", "all_gather", "callbacks", "executor", "load_predictor",
+    "unpack_x_y_sample_weight",
 ]

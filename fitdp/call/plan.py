@@ -111,7 +111,10 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         x, y, sample_weight = x[0], y[0], sample_weight[0]
     placement, auto = _place(model, devices, work_load_list, batch_size)
     ranks = placement.ranks
+    # fit(x) without y: a model with its own step may train without targets (autoencoders,
+    # self-supervised); compute_loss gets y=None.
     train = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                        labels_optional=getattr(model, "steps_overridden", False),
                         class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size,
                         pin_memory=pin_host_batches(placement.devices))
     num = train.num_batches

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitdp.call.custom_step import CustomStep
 from fitdp.call.ranks import Ranks
 from fitdp.checks import fail
 from fitdp.compiled.metrics import DeviceMetrics
@@ -53,6 +54,7 @@ class Replicas:
         bucket_module: ``callable(bucket_key) -> nn.Module`` (MXNet's ``sym_gen``) or None.
         placement: devices, work loads, ranks, default bucket.
         trainer: the compiled setup, or None.
+        step: a model subclass's own step (``CustomStep``), or None: the built-in step.
 
     Raises:
         ValueError: 16-mixed on devices that are not all CUDA; sync_batchnorm off CUDA; a
@@ -60,7 +62,8 @@ class Replicas:
     """
 
     def __init__(self, module: nn.Module, bucket_module: Callable[[Any], nn.Module] | None,
-                 placement: Placement, trainer: Compiled | None) -> None:
+                 placement: Placement, trainer: Compiled | None,
+                 step: CustomStep | None = None) -> None:
         autocast = trainer.autocast_dtype if trainer is not None else None
         devices = list(placement.devices)
         if trainer is not None:  # a strategy that cannot run here fails before any copy
@@ -82,8 +85,11 @@ class Replicas:
             bucket_module=bucket_module, default_bucket_key=placement.default_bucket_key,
             loss=trainer.objective if trainer is not None else None,
             compile=trainer.config.compile if trainer is not None else False,
-            autocast_dtype=autocast, distributed=placement.distributed,
+            autocast_dtype=autocast, distributed=placement.distributed, compute=step,
         )
+        self.step = step
+        if step is not None:
+            step.bind(self.manager)
         if autocast is torch.float16 and trainer is not None and trainer.scaler is None:
             trainer.scaler = torch.amp.GradScaler("cuda")
             # The scaler makes its scale tensor on first use: here, in one thread, not in

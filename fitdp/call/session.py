@@ -56,6 +56,12 @@ class Session:
         self.modes = modes
         self.mode: bool | None = None  # the mode the replicas are in (None: not set yet)
         self.epoch_logs = EpochLogs(self.mgr, self.metrics, run)
+        # A subclass's own step (``fitdp.call.custom_step``); with several optimizers its
+        # train_step steps them (``Model.optimizer_step``) and fitdp takes no step itself.
+        self.custom = replicas.step
+        self.manual = trainer is not None and trainer.manual
+        if self.custom is not None and self.custom.meeting is not None:
+            self.custom.meeting.reset()  # no failure of an earlier call survives into this one
         self.logs: dict[str, float] = {}
         self.example_inputs: Any = None
         self.log_every = plan.log_every if isinstance(plan, FitPlan) else 50
@@ -161,12 +167,13 @@ class Session:
             if self.verified:  # the step inside the batch's hand-off (see run_batch)
                 self.mgr.run_batch(batch, True, total_rows=batch.global_rows, scale=self.scale,
                                    metric=self._metrics_for(batch),
-                                   zero_grad=first, optimizer=trainer.optimizer if due else None,
+                                   zero_grad=first, optimizer=trainer.optimizer
+                                   if due and not self.manual else None,
                                    scaler=trainer.scaler, clip_norm=self.clip)
             else:  # the first batch: its outputs are checked before the first step
                 self._run(batch, True, zero_grad=first)
                 self._first_batch_checks(batch)
-                if due:
+                if due and not self.manual:
                     self._step_replicas()
             run.micro_step += 1
             if due:
@@ -176,7 +183,8 @@ class Session:
         return self._batch_logs(index)
 
     def _optimizer_step(self) -> None:
-        self._step_replicas()
+        if not self.manual:
+            self._step_replicas()
         self._stepped()
 
     def _step_replicas(self) -> None:
@@ -236,7 +244,13 @@ class Session:
         to_host = _host_copier(self.replicas)
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
-            self._run(batch, is_train=False)
+            if self.custom is not None:  # forward runs predict_step during this pass
+                self.custom.predicting = True
+            try:
+                self._run(batch, is_train=False)
+            finally:
+                if self.custom is not None:
+                    self.custom.predicting = False
             outs = [tree_map(to_host, o) for o in self.mgr.outputs()]
             rows.append((index, batch.index, tree_cat(outs, batch.axis) if outs else None))
             axes.add(batch.axis)
@@ -272,7 +286,7 @@ class Session:
                                scale=self.scale if is_train else None, metric=metrics, **step)
             return
         trainer = self.trainer
-        if trainer is not None and batch.label is not None:
+        if trainer is not None and batch.label is not None and self.custom is None:
             trainer.objective.check_targets(batch.label)
             if batch.sample_weight is not None and not trainer.objective.supports_sample_weight:
                 raise ValueError(trainer.objective.no_weights_message())
@@ -297,8 +311,8 @@ class Session:
         self.verified = True  # and one CPU row kept for summary()'s output shapes:
         self.example_inputs = tree_map(lambda t: t.to("cpu", copy=True), take_rows(
             batch.data, slice(0, 1), batch.axis))
-        if self.trainer is None or batch.label is None:
-            return
+        if self.trainer is None or batch.label is None or self.custom is not None:
+            return  # (a custom step's outputs and targets are the step's own to check)
         outputs = self.mgr.outputs()
         if not outputs:
             return
@@ -326,12 +340,27 @@ class Session:
             total, count = self.plan.ranks.all_reduce_sum(torch.stack([total, count]))
         rows = float(count)
         logs = {"loss": float(total) / rows} if rows else {}
+        if self.custom is not None:
+            logs.update(self._step_logs())
         if self.metrics:
             logs.update(self.metrics.compute())
         return logs
 
+    def _step_logs(self) -> dict[str, float]:
+        """The other logs a custom step returned, each the mean over the samples (and
+        ranks) since the last reset."""
+        extra = self.custom.logs()  # type: ignore[union-attr]
+        if self.plan.ranks.enabled and extra:
+            sums = self.plan.ranks.all_reduce_sum(torch.tensor(
+                [v for key in sorted(extra) for v in extra[key]], dtype=torch.float64))
+            extra = {key: [float(sums[2 * i]), float(sums[2 * i + 1])]
+                     for i, key in enumerate(sorted(extra))}
+        return {key: total / rows for key, (total, rows) in extra.items() if rows}
+
     def reset_logs(self) -> None:
         self.mgr.reset_loss()
+        if self.custom is not None:
+            self.custom.reset_logs()
         if self.metrics:
             self.metrics.reset()
         self.logs = {}

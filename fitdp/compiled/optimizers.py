@@ -165,3 +165,76 @@ def optimizer_kind_problem(optimizer: torch.optim.Optimizer, state: Mapping[str,
             return (f"its hyperparameters {extra} are not those of this model's {kind} "
                     f"({missing}): it comes from another kind of optimizer")
     return None
+
+
+class MultiOptimizer(torch.optim.Optimizer):
+    """Several named optimizers as one (``compile(optimizer={"d": ..., "g": ...})`` or a
+    list, names ``"0"``, ``"1"``, ...): what a GAN's two optimizers, or Lightning's manual
+    optimization, need. Its ``param_groups`` are the optimizers' own group dicts, so a
+    scheduler, ``lr`` logging, carrying to the replicas and checkpoints see every group;
+    ``state_dict`` holds each optimizer's under its name. ``step`` steps them all; a custom
+    ``train_step`` steps one with ``Model.optimizer_step(name, loss)``.
+
+    Args:
+        optimizers: name -> optimizer.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> opt = MultiOptimizer({"a": torch.optim.SGD(net[0].parameters(), lr=0.1),
+        ...                       "b": torch.optim.Adam(net[1].parameters())})
+        >>> len(opt.param_groups), sorted(opt.state_dict()["optimizers"])
+        (2, ['a', 'b'])
+    """
+
+    def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+        self.optimizers = dict(optimizers)
+        groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
+        super().__init__([{"params": list(g["params"])} for g in groups], {})
+        self.param_groups = groups  # the same dicts: an lr set here reaches its optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        parts = {name: opt.state_dict() for name, opt in self.optimizers.items()}
+        groups = [g for part in parts.values() for g in part["param_groups"]]
+        return {"state": {}, "param_groups": groups, "optimizers": parts}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        parts = state_dict.get("optimizers")
+        if not isinstance(parts, Mapping) or set(parts) != set(self.optimizers):
+            names = sorted(parts) if isinstance(parts, Mapping) else None
+            fail("optimizer state", f"optimizers {names}", f"the compiled optimizers "
+                 f"{sorted(self.optimizers)}", "load a checkpoint written by a model "
+                 "compiled with the same optimizers", described=True)
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(parts[name])
+
+
+def build_optimizers(optimizer: Any, module: nn.Module, lr: float | None, *,
+                     fused: bool = False) -> torch.optim.Optimizer:
+    """``compile(optimizer=...)``: one optimizer, or a ``MultiOptimizer`` for a dict (name ->
+    spec) or a list of specs; each spec as ``build_optimizer`` takes it (an ``Optimizer`` on
+    part of the module, e.g. ``torch.optim.Adam(net.discriminator.parameters())``).
+
+    Raises:
+        ValueError, TypeError: an empty dict or list, a name that is not a string, or a bad
+            spec (see ``build_optimizer``).
+    """
+    if not isinstance(optimizer, (Mapping, list)):
+        return build_optimizer(optimizer, module, lr, fused=fused)
+    specs = dict(optimizer) if isinstance(optimizer, Mapping) else {
+        str(i): spec for i, spec in enumerate(optimizer)}
+    if not specs:
+        fail("optimizer", optimizer, "one optimizer, or a non-empty dict or list of them")
+    for name in specs:
+        if not isinstance(name, str):
+            fail("optimizer", f"a dict with the key {name!r}", "string names, e.g. "
+                 "{'d': ..., 'g': ...}", error=TypeError, described=True)
+    return MultiOptimizer({name: build_optimizer(spec, module, lr, fused=fused)
+                           for name, spec in specs.items()})

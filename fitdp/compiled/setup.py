@@ -15,7 +15,13 @@ from torch import nn
 from fitdp.checks import check_choice, check_int, check_number, fail
 from fitdp.compiled.losses import Objective
 from fitdp.compiled.metrics import MetricsArg, MetricSpec, metric_specs
-from fitdp.compiled.optimizers import OptimizerArg, Scheduler, build_optimizer, build_scheduler
+from fitdp.compiled.optimizers import (
+    MultiOptimizer,
+    OptimizerArg,
+    Scheduler,
+    build_optimizers,
+    build_scheduler,
+)
 from fitdp.executor.engines import Strategy, check_strategy
 
 PRECISIONS: dict[str, torch.dtype | None] = {
@@ -31,7 +37,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 class CompileConfig:
     """Everything ``Model.compile`` was given."""
 
-    optimizer: OptimizerArg = "adam"
+    optimizer: OptimizerArg | Mapping[str, OptimizerArg] | list[OptimizerArg] = "adam"
     loss: Any = "cross_entropy"
     metrics: MetricsArg = None
     lr: float | None = None
@@ -53,8 +59,10 @@ class Compiled:
         config: what compile was given.
         objective: ``(outputs, targets[, sample_weight]) -> loss``.
         optimizer: built on the host module's parameters (carried to the replicas by the
-            model when they exist); None for a module without parameters, which can be
-            evaluated but not trained.
+            model when they exist); a ``MultiOptimizer`` for several; None for a module
+            without parameters, which can be evaluated but not trained.
+        manual: several optimizers: the model's ``train_step`` steps them
+            (``Model.optimizer_step``), fitdp does not.
         scheduler: the LR scheduler or None; ``interval`` is ``"epoch"`` or ``"step"``.
         metrics: log key -> metric spec (templates: never updated themselves).
         autocast_dtype: the autocast dtype of mixed precision, or None.
@@ -72,6 +80,7 @@ class Compiled:
         self.config = config
         self.objective = objective
         self.optimizer = optimizer
+        self.manual = isinstance(optimizer, MultiOptimizer)
         self.scheduler = scheduler
         self.interval = interval
         self.metrics = metrics
@@ -103,8 +112,8 @@ class Compiled:
         if not any(True for _ in module.parameters()):  # nn.Identity: nothing to optimize
             return cls(config, objective, None, None, "epoch", metrics)
         # 16-mixed runs on CUDA only: a fused optimizer there spares GradScaler a sync a step.
-        optimizer = build_optimizer(config.optimizer, module, lr,
-                                    fused=config.precision == "16-mixed")
+        optimizer = build_optimizers(config.optimizer, module, lr,
+                                     fused=config.precision == "16-mixed")
         scheduler, interval = build_scheduler(config.lr_scheduler, optimizer)
         return cls(config, objective, optimizer, scheduler, interval, metrics)
 

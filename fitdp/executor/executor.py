@@ -17,6 +17,9 @@ from fitdp.data.batch import axis_of, batch_length, take_rows, tree_leaves, tree
 # (outputs, targets) -> scalar mean loss; called (outputs, targets, sample_weight) when the
 # batch carries per-sample weights.
 LossFn = Callable[..., torch.Tensor]
+# (executor, training) -> (the slice's mean loss or None, outputs): a custom step in place of
+# forward and loss_fn (``Executor.compute``; ``fitdp.call.custom_step``).
+Compute = Callable[["Executor", bool], tuple["torch.Tensor | None", Any]]
 _NULL = contextlib.nullcontext()  # reusable: entering it has no state
 
 # Dynamo (torch.compile) keeps its graphs in a cache per code object, and that cache is not
@@ -95,6 +98,9 @@ class Executor:
             if compile else module
         )
         self.compiled = bool(compile)
+        # A custom step runs instead of forward and the loss; it reads the slice's ``weight``.
+        self.compute: Compute | None = None
+        self.weight: float | torch.Tensor = 1.0
         self.inputs_need_grad = inputs_need_grad
         self.grad_inputs: Any = None  # the inputs autograd tracked (inputs_need_grad)
         self.signatures: set[Hashable] = set()  # input signatures compiled so far
@@ -183,19 +189,26 @@ class Executor:
 
     def _forward(self, is_train: bool, loss_fn: LossFn | None, weight: float | torch.Tensor,
                  autocast_dtype: torch.dtype | None, count: int | torch.Tensor | None) -> Any:
-        if self.compiled or self.inputs_need_grad:
-            outputs = self._call(is_train, autocast_dtype)
+        loss, lab, w = None, None, None
+        if self.compute is not None:
+            self.weight = weight
+            loss, outputs = self.compute(self, is_train)
+            count = self.valid if count is None else count
         else:
-            inputs = self.inputs  # the common case, without _call's and call_module's checks
-            outputs = self.fn(inputs) if inputs.__class__ is torch.Tensor else call_module(
-                self.fn, inputs)
+            if self.compiled or self.inputs_need_grad:
+                outputs = self._call(is_train, autocast_dtype)
+            else:
+                inputs = self.inputs  # the common case, without _call's and call_module's
+                outputs = self.fn(inputs) if inputs.__class__ is torch.Tensor else call_module(
+                    self.fn, inputs)
+            if loss_fn is not None and self.labels is not None and self.valid > 0:
+                out, lab, w = outputs, self.labels, self.weights
+                if self.valid < self.rows:
+                    out, lab = self.valid_rows(outputs), self.valid_rows(lab)
+                    w = None if w is None else w[: self.valid]
+                loss = loss_fn(out, lab) if w is None else loss_fn(out, lab, w)
         self.outputs = outputs
-        if loss_fn is not None and self.labels is not None and self.valid > 0:
-            out, lab, w = outputs, self.labels, self.weights
-            if self.valid < self.rows:
-                out, lab = self.valid_rows(outputs), self.valid_rows(lab)
-                w = None if w is None else w[: self.valid]
-            loss = loss_fn(out, lab) if w is None else loss_fn(out, lab, w)
+        if loss is not None:
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
                 raise ValueError(
@@ -203,8 +216,9 @@ class Executor:
                     f"(the mean over the batch). Fix: reduce with .mean() or use "
                     f"reduction='mean'."
                 )
-            if count is None:
-                count = self._logged_count(loss_fn, lab) if w is None else self.valid
+            if count is None:  # (the built-in loss: a custom step counted its rows above)
+                count = self._logged_count(loss_fn, lab) if w is None and loss_fn else (
+                    self.valid)
             self.pending_losses.append((loss.detach(), count))
             if len(self.pending_losses) >= 256:  # bound the list between log points
                 self.fold_losses()

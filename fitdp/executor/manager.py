@@ -16,7 +16,7 @@ from fitdp.data.batch import DataBatch, axis_of, take_rows, tree_map
 from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.devices import DevicesArg, resolve_devices
-from fitdp.executor.executor import LossFn
+from fitdp.executor.executor import Compute, LossFn
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.reduce import FlatBuckets
 from fitdp.executor.running import BatchRunMixin, all_reduce
@@ -48,6 +48,10 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         default_bucket_key: the bucket ``module`` itself runs.
         logger: where warnings go (default: the ``fitdp`` logger).
         loss: ``callable(outputs, targets) -> scalar``, mean over the batch.
+        compute: ``compute(executor, training) -> (loss, outputs)``, a custom step run in
+            place of forward and ``loss`` on every slice (``fitdp.call.custom_step``). Its
+            replicas always run at once, never one after another: they may meet in
+            ``fitdp.all_gather`` (so dropout on CPU replicas draws in thread order).
         compile: ``torch.compile`` every executor.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype.
         distributed: also all-reduce gradients across the default process group.
@@ -77,6 +81,7 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         autocast_dtype: torch.dtype | None = None,
         distributed: bool = False,
         inputs_need_grad: bool = False,
+        compute: Compute | None = None,
     ) -> None:
         checks.check_module(module)
         self.devices = resolve_devices(devices)
@@ -85,6 +90,7 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         check_unique_names(module)
         self.logger = logger or logging.getLogger("fitdp")
         self.loss = loss
+        self.compute = compute
         self.compile = compile
         self.autocast_dtype = autocast_dtype
         self.distributed = distributed
@@ -111,6 +117,8 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         self.flat = FlatBuckets(params) if several and params[0] else None
         self._sharded: ShardedStep | None = None
         self._init_loads(work_load_list)
+        if compute is not None:  # replicas that may meet run at once (see ``compute``)
+            self._speed_check = None
         self.logger.debug("fitdp: data parallel on %s", self.devices)
 
     # -- the seed's surface -------------------------------------------------------------
@@ -379,6 +387,10 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
             bucket_key=key, compile=self.compile, logger=self.logger,
             inputs_need_grad=self.inputs_need_grad,
         )
+        if self.compute is not None:
+            group.stochastic = False  # never forwards in turn: see ``compute``
+            for ex in group.executors:
+                ex.compute = self.compute
         if self.monitor is not None:
             self._install(group)
         return group

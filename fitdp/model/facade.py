@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitdp.call.custom_step import CustomStep
 from fitdp.call.modes import Modes
 from fitdp.call.plan import CallPlan, legacy_data, plan_call, plan_fit
 from fitdp.call.ranks import DEFAULT_TIMEOUT
@@ -30,11 +31,12 @@ from fitdp.executor.interrupts import GUARD
 from fitdp.executor.monitor import Monitor
 from fitdp.model.extras import ModelExtras, keras_logs
 from fitdp.model.saving import ModelIO
+from fitdp.model.steps import KerasSteps
 from fitdp.saving.async_writer import AsyncCheckpointWriter
 from fitdp.saving.entries import RNG
 
 
-class Model(ModelIO, ModelExtras):
+class Model(KerasSteps, ModelIO, ModelExtras):
     """A Keras-style facade over a ``torch.nn.Module``, trained data-parallel.
 
     Args:
@@ -44,6 +46,8 @@ class Model(ModelIO, ModelExtras):
 
     The model's run state (epoch, steps, stop flags) is ``model.run``; its worker threads
     are released by ``close()``, at the end of a ``with`` block, or when it is collected.
+    A subclass may override Keras 3's ``train_step``, ``test_step``, ``predict_step`` and
+    ``compute_loss`` (run per device slice on its replica, ``docs/custom-fit.md``).
 
     Example:
         >>> net = nn.Linear(4, 3)
@@ -291,7 +295,9 @@ class Model(ModelIO, ModelExtras):
             placement = Placement(placement.devices, placement.work_load_list,
                                   placement.ranks, current.placement.default_bucket_key)
         self._release()
-        replicas = Replicas(self.module, self.bucket_module, placement, self._trainer)
+        step = CustomStep(self, list(placement.devices), placement.distributed) \
+            if self.steps_overridden else None
+        replicas = Replicas(self.module, self.bucket_module, placement, self._trainer, step)
         if self._trainer is not None and self._trainer.optimizer is not None:
             replicas.bind(self._trainer.optimizer, self.module, to_host=False)
         self._replicas = replicas

@@ -27,6 +27,7 @@ def make_source(
     shuffle: bool,
     seed: int,
     has_labels: bool = True,
+    labels_optional: bool = False,
     class_weight: Mapping[int, float] | None = None,
     rank: int = 0,
     world_size: int = 1,
@@ -44,6 +45,8 @@ def make_source(
         sample_weight: per-sample loss weights for in-memory ``x``.
         batch_size, shuffle, seed: batching of in-memory data and Datasets.
         has_labels: False for predict (targets are not needed).
+        labels_optional: in-memory ``x`` may come without ``y`` (a model with its own
+            step); an ``(x, y)`` tuple is still read as inputs and targets.
         class_weight: ``{class index: weight}`` (Keras): each sample weighs its class's weight.
         rank, world_size: this process's place in a torch.distributed job.
         name: what to call ``x`` in messages (``validation_data`` for validation).
@@ -62,7 +65,7 @@ def make_source(
                            pin_memory)
     if source is None:
         return _tensor_source(x, y, sample_weight, batch_size, shuffle, seed, has_labels,
-                              class_weight, rank, world_size, name, pin_memory)
+                              labels_optional, class_weight, rank, world_size, name, pin_memory)
     if class_weight is not None:
         source = ClassWeighted(source, class_weight)
     return source if world_size == 1 else ShardedSource(source, rank, world_size)
@@ -99,8 +102,9 @@ def _batch_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: 
 
 
 def _tensor_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: int,
-                   has_labels: bool, class_weight: Mapping[int, float] | None, rank: int,
-                   world_size: int, name: str, pin_memory: bool) -> TensorSource:
+                   has_labels: bool, labels_optional: bool,
+                   class_weight: Mapping[int, float] | None, rank: int, world_size: int,
+                   name: str, pin_memory: bool) -> TensorSource:
     if has_labels and y is None and isinstance(x, tuple) and len(x) in (2, 3):  # (x, y[, w])
         x, y, w = (*x, w) if len(x) == 2 else x
     x = as_tensors(x, name)
@@ -114,7 +118,7 @@ def _tensor_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed:
         y = as_tensors(y, "y")
         check_rows(y, "y", n, first=name)
         check_finite(y, "y" if name == "x" else f"{name} targets")
-    elif has_labels:
+    elif has_labels and not labels_optional:
         fail("y", None, f"targets for {name}", "pass y=... or x=(inputs, targets)",
              error=ValueError)
     if w is not None:

@@ -1,0 +1,188 @@
+"""A ``fitdp.Model`` subclass's own step (Keras 3's ``train_step`` / ``test_step`` /
+``predict_step`` / ``compute_loss``), run per device slice on that device's replica.
+
+``CustomStep`` is the executor's ``compute`` (``compute(executor, training) -> (loss,
+outputs)``, ``fitdp.executor.executor``): on each device thread it sets the replica the step
+runs on (``fitdp.executor.gather.running``: ``self(x)``, ``self.module`` and ``all_gather``
+read it), hands the slice to the model's step as Keras's ``data`` and returns the step's loss
+for fitdp to weigh, backpropagate, reduce and step, as it does the built-in loss. It is made
+only for a subclass that overrides a step: a model that overrides nothing keeps the built-in
+path and its speed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fitdp.checks import fail
+from fitdp.executor.gather import Meeting, ReplicaContext, running
+
+STEPS = ("train_step", "test_step", "predict_step", "compute_loss")
+
+
+def overridden(model: Any, base: type) -> bool:
+    """Whether ``model``'s class overrides one of Keras's steps of ``base``."""
+    return any(getattr(type(model), name) is not getattr(base, name) for name in STEPS)
+
+
+def step_data(x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...]:
+    """Keras's ``data``: ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``."""
+    if sample_weight is not None:
+        return x, y, sample_weight
+    return (x,) if y is None else (x, y)
+
+
+class CustomStep:
+    """The executor's ``compute`` for a model that overrides a step (module docstring).
+
+    Args:
+        model: the ``fitdp.Model`` subclass.
+        devices: the replicas' devices, in order.
+        ranks: other ranks take part (torchrun).
+
+    Attributes:
+        predicting: set by ``predict``'s pass: forward runs ``predict_step``.
+        meeting: where the replica threads meet (``all_gather``, ``optimizer_step``).
+    """
+
+    def __init__(self, model: Any, devices: list[torch.device], ranks: bool) -> None:
+        self.model = model
+        self.devices = devices
+        self.ranks = ranks
+        self.meeting = Meeting(devices) if len(devices) > 1 else None
+        self.predicting = False
+        self._index: dict[int, int] = {}  # id(executor) -> device index
+        self.manager: Any = None
+        # Per device: log key -> (sum of value * rows, rows) of extra logs a step returned.
+        self._logs: list[dict[str, list[float]]] = [{} for _ in devices]
+
+    def bind(self, manager: Any) -> None:
+        """The executor manager the step runs in (a device's index is its executor's place
+        in its group; ``optimizer_step`` reduces and steps through it)."""
+        self.manager = manager
+
+    def _device_index(self, ex: Any) -> int:
+        index = self._index.get(id(ex))
+        if index is None:
+            for group in self.manager.groups.values():
+                for d, e in enumerate(group.executors):
+                    self._index[id(e)] = d
+            index = self._index[id(ex)]
+        return index
+
+    def __call__(self, ex: Any, training: bool) -> tuple[torch.Tensor | None, Any]:
+        d = self._device_index(ex)
+        model = self.model
+        rows = ex.valid
+        x = ex.valid_rows(ex.inputs)
+        y = None if ex.labels is None else ex.valid_rows(ex.labels)
+        w = None if ex.weights is None else ex.weights[:rows]
+        context = ReplicaContext(ex.module, ex.device, d, self.meeting,
+                                 getattr(ex, "weight", 1.0), self.ranks, owner=model,
+                                 fn=ex.fn, step=self)
+        try:
+            with running(context):
+                if self.predicting:
+                    return None, model.predict_step(step_data(x, None, None))
+                data = step_data(x, y, w)
+                result = model.train_step(data) if training else model.test_step(data)
+        except BaseException as err:
+            if self.meeting is not None:
+                self.meeting.fail(err)
+            raise
+        loss = self._loss_of(result, d, rows, training)
+        return loss, context.outputs
+
+    def _loss_of(self, result: Any, d: int, rows: int, training: bool
+                 ) -> torch.Tensor | None:
+        """The step's loss (backpropagated by fitdp) from what it returned; the other logs
+        of a dict are kept per device, weighed by the slice's rows."""
+        what = "train_step" if training else "test_step"
+        manual = training and model_is_manual(self.model)
+        if isinstance(result, torch.Tensor) and not manual:
+            return result
+        if isinstance(result, torch.Tensor):
+            result = {"loss": result}
+        if result is None and not training:
+            return None
+        if not isinstance(result, dict):
+            fail(what, f"a return value of type {type(result).__name__}",
+                 "the loss (a scalar tensor) or a dict of logs (holding 'loss' for fitdp to "
+                 "backpropagate)", "return loss, or {'loss': loss, ...}", error=TypeError,
+                 described=True)
+        logs = self._logs[d]
+        for key, value in result.items():
+            if key == "loss" and not manual:
+                continue
+            number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+            acc = logs.setdefault(key, [0.0, 0.0])
+            acc[0] += number * rows
+            acc[1] += rows
+        loss = result.get("loss")
+        if loss is None or manual:  # a manual step (``optimizer_step``) used its losses
+            return None
+        if not isinstance(loss, torch.Tensor):
+            fail(f"{what}()['loss']", type(loss).__name__, "a scalar tensor",
+                 "return the tensor compute_loss gave", error=TypeError)
+        return loss
+
+    def zero_device(self, context: ReplicaContext) -> None:
+        """Zero the gradients of the replica ``context`` runs (``optimizer_step``)."""
+        flat = self.manager.flat
+        if flat is not None:
+            flat.zero_device(context.index)
+        else:
+            for p in context.module.parameters():
+                p.grad = None
+
+    def apply(self, context: ReplicaContext, optimizer: torch.optim.Optimizer) -> None:
+        """Once every replica has backpropagated: sum the gradients across replicas and
+        ranks, step ``optimizer`` on device 0's parameters, copy them to every replica."""
+        mgr = self.manager
+
+        def leader(_: list[Any]) -> list[Any]:
+            mgr.reduce_gradients()
+            optimizer.step()
+            mgr.sync_params()
+            return []
+
+        if self.meeting is None:
+            leader([])
+        else:
+            self.meeting.exchange(context.index, None, leader)
+
+    def logs(self) -> dict[str, list[float]]:
+        """Extra logs since the last reset: key -> [sum of value * rows, rows] over devices."""
+        merged: dict[str, list[float]] = {}
+        for logs in self._logs:
+            for key, (total, rows) in logs.items():
+                acc = merged.setdefault(key, [0.0, 0.0])
+                acc[0] += total
+                acc[1] += rows
+        return merged
+
+    def reset_logs(self) -> None:
+        for logs in self._logs:
+            logs.clear()
+
+
+def model_is_manual(model: Any) -> bool:
+    """Whether the model's compiled optimizers are stepped by its own ``train_step``."""
+    trainer = getattr(model, "_trainer", None)
+    return trainer is not None and getattr(trainer, "manual", False)
+
+
+def step_context(what: str) -> ReplicaContext:
+    """The context of the step this thread runs, or a clear error outside one."""
+    from fitdp.executor.gather import current
+
+    context = current()
+    if context is None:
+        raise RuntimeError(f"{what}: called outside a step; call it inside train_step "
+                           f"(fitdp runs the step on every device's replica)")
+    return context
+
+
+__all__ = ["CustomStep", "model_is_manual", "overridden", "step_context", "step_data"]

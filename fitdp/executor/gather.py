@@ -1,0 +1,256 @@
+"""What a step sees of the other replicas: the replica this thread runs (``current``), the
+meeting point of one process's replica threads (``Meeting``), and ``all_gather``.
+
+A custom training step (``Model.train_step``) runs once per device slice, on that device's
+thread. ``ReplicaContext`` is set on the thread for the length of the step; outside a step
+``current()`` is None and ``all_gather`` is the identity.
+
+``all_gather`` across the replicas of one process is an autograd function: forward meets the
+other replica threads and concatenates their tensors in device order; backward meets them
+again and gives each replica the sum, over every replica, of the gradient of its own rows
+(the reduce-scatter that ``torch.distributed.nn.functional.all_gather`` runs across ranks).
+So each replica's backward stays its own (no replica's backward walks another's graph) and a
+loss that couples the batch gets the gradient one device would get. Cost: two meetings per
+call (a thread hand-over each, microseconds on CPU) and a copy of the gathered rows to every
+device. Backward meets inside autograd, so every replica's backward must run at once on a
+thread of its own: true of CPU replicas (CPU autograd runs on the thread that calls
+backward) and of CUDA replicas on distinct GPUs (one autograd thread per GPU); two replicas on
+one GPU share its autograd thread and would wait for each other for ever, so ``all_gather``
+refuses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_TLS = threading.local()
+WAIT_SECONDS = 300.0  # a replica that never arrives: a clear error instead of a hang
+
+
+@dataclasses.dataclass
+class ReplicaContext:
+    """The replica a step runs on, for the step's length (see ``running``).
+
+    Attributes:
+        module: the replica's module (``self.module`` and ``self(x)`` inside a step).
+        device: its device.
+        index: its place in device order.
+        meeting: where the replica threads of this process meet (None with one replica).
+        weight: the slice's share of the batch's loss (its rows over the batch's, over every
+            rank): what a manual optimizer step scales the slice's mean loss by.
+        ranks: whether other ranks take part (``torch.distributed`` is initialised).
+        owner: the model whose step this is (``self.module`` of another model is its own).
+        fn: runs the replica (its ``torch.compile``d form with ``compile=True``).
+        step: the step's caller (``fitdp.call.custom_step.CustomStep``).
+        outputs: the step's outputs for the metrics (the last ``self(x)``, or the
+            ``y_pred`` given to ``compute_loss``).
+    """
+
+    module: nn.Module
+    device: torch.device
+    index: int
+    meeting: Meeting | None
+    weight: float | torch.Tensor = 1.0
+    ranks: bool = False
+    owner: Any = None
+    fn: Callable[..., Any] | None = None
+    step: Any = None
+    outputs: Any = None
+
+
+def current() -> ReplicaContext | None:
+    """The replica the calling thread's step runs on, or None outside a step."""
+    return getattr(_TLS, "context", None)
+
+
+class running:
+    """``with running(context):`` sets the thread's replica for a step (re-entrant safe:
+    the previous context comes back after)."""
+
+    def __init__(self, context: ReplicaContext) -> None:
+        self.context = context
+        self.before: ReplicaContext | None = None
+
+    def __enter__(self) -> ReplicaContext:
+        self.before = current()
+        _TLS.context = self.context
+        return self.context
+
+    def __exit__(self, *exc: object) -> None:
+        _TLS.context = self.before
+
+
+class Meeting:
+    """The replica threads of one process meet here: each brings a value, all leave with
+    every value in device order. Reused step after step (one generation per meeting).
+
+    Args:
+        devices: the replicas' devices, in order (one thread each).
+
+    Example:
+        >>> m = Meeting([torch.device("cpu")])
+        >>> m.exchange(0, "a")
+        ['a']
+    """
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self.n = len(devices)
+        cuda = [d for d in devices if d.type == "cuda"]
+        # See the module docstring: backward's meeting needs one autograd thread per replica.
+        self.shared_gpu = len(set(cuda)) < len(cuda)
+        self._cond = threading.Condition()
+        self._slots: list[Any] = [None] * self.n
+        self._arrived = 0
+        self._generation = 0
+        self._result: list[Any] = []
+        self._error: BaseException | None = None
+
+    def exchange(self, index: int, value: Any, leader: Callable[[list[Any]], Any] | None = None
+                 ) -> list[Any]:
+        """Leave ``value``, wait for the other replicas, return every value in device order.
+        ``leader``, when given, runs once on the last thread to arrive, with the values,
+        before anyone leaves (what it returns replaces the list; what it raises reaches
+        every replica)."""
+        with self._cond:
+            if self._error is not None:
+                raise RuntimeError("all_gather: another replica failed in this step") \
+                    from self._error
+            generation = self._generation
+            self._slots[index] = value
+            self._arrived += 1
+            if self._arrived == self.n:
+                values, self._slots = self._slots, [None] * self.n
+                self._arrived = 0
+                try:
+                    self._result = values if leader is None else leader(values)
+                except BaseException as e:
+                    self._error = e
+                    raise
+                finally:
+                    self._generation += 1
+                    self._cond.notify_all()
+                return self._result
+            if not self._cond.wait_for(lambda: self._generation != generation
+                                       or self._error is not None, WAIT_SECONDS):
+                self._error = RuntimeError("timeout")
+                self._cond.notify_all()
+                raise RuntimeError(
+                    f"all_gather / optimizer_step: replica {index} waited {WAIT_SECONDS:.0f} s "
+                    f"for the other replicas; every replica's step must call them the same "
+                    f"number of times, in the same order (a call under an `if` that depends on "
+                    f"the slice is the usual cause)")
+            if self._error is not None and self._generation == generation:
+                raise RuntimeError("all_gather: another replica failed in this step") \
+                    from self._error
+            return self._result
+
+    def fail(self, error: BaseException) -> None:
+        """A replica's step failed: every replica waiting (or arriving later) raises."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Before a step: forget the last step's failure and any half-made meeting."""
+        with self._cond:
+            self._error = None
+            self._arrived = 0
+            self._slots = [None] * self.n
+
+
+class _GatherReplicas(torch.autograd.Function):
+    """All replicas' rows on each replica; backward: the sum of every replica's gradient of
+    this replica's rows (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, context: ReplicaContext) -> torch.Tensor:
+        meeting = context.meeting
+        assert meeting is not None  # noqa: S101 - all_gather checks
+        parts = meeting.exchange(context.index, tensor.detach())
+        rows = [int(p.shape[0]) for p in parts]
+        ctx.context, ctx.rows = context, rows
+        return torch.cat([p.to(tensor.device, non_blocking=True) for p in parts])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        context, rows = ctx.context, ctx.rows
+        start = sum(rows[: context.index])
+        stop = start + rows[context.index]
+        grads = context.meeting.exchange(context.index, grad)
+        mine = [g[start:stop].to(grad.device, non_blocking=True) for g in grads]
+        return torch.stack(mine).sum(0), None
+
+
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every replica's ``tensor`` concatenated along dim 0, in device order, then rank order:
+    the rows the whole batch would have on one device. Differentiable: the gradient of each
+    replica's rows is summed over every replica that used them, so a loss over the gathered
+    rows (contrastive losses, batch statistics) trains as on one device.
+
+    Outside a step (``Model.train_step`` / ``test_step`` / ``predict_step``) and with one
+    replica in one process it returns ``tensor`` itself. Under torchrun it gathers across
+    the ranks with ``torch.distributed.nn.functional.all_gather`` (one replica per rank;
+    ranks may hold different numbers of rows).
+
+    Args:
+        tensor: this replica's rows (dim 0 is the batch).
+
+    Returns:
+        The gathered tensor, on this replica's device.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor.
+        ValueError: a 0-d tensor; two replicas on one CUDA device; several replicas per
+            rank under torchrun.
+
+    Example:
+        >>> all_gather(torch.ones(2, 3)).shape  # outside a step: the identity
+        torch.Size([2, 3])
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"all_gather(tensor): got {type(tensor).__name__}; expected a "
+                        f"torch.Tensor whose dim 0 is the batch")
+    if tensor.dim() == 0:
+        raise ValueError("all_gather(tensor): got a 0-d tensor; expected rows along dim 0 "
+                         "(fix: tensor.reshape(1) to gather one value per replica)")
+    context = current()
+    if context is None:
+        return tensor
+    if context.meeting is not None:
+        if context.ranks:
+            raise ValueError(
+                "all_gather: several replicas per rank under torchrun; expected one device "
+                "per rank (fix: torchrun --nproc-per-node=<devices> with devices=1 each)")
+        if context.meeting.shared_gpu:
+            raise ValueError(
+                "all_gather: two replicas on one CUDA device; expected one replica per GPU "
+                "(their backward passes share the GPU's autograd thread and would wait for "
+                "each other for ever). Fix: devices=[0, 1, ...], one entry per GPU")
+        tensor = _GatherReplicas.apply(tensor, context)
+    elif context.ranks:
+        tensor = _gather_ranks(tensor)
+    return tensor
+
+
+def _gather_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """Across ranks, differentiable; ranks with fewer rows are padded, then cut back."""
+    import torch.distributed.nn.functional as dist_nn  # torch's differentiable collectives
+
+    world = dist.get_world_size()
+    rows = torch.tensor([tensor.shape[0]], device=tensor.device)
+    counts = [torch.zeros_like(rows) for _ in range(world)]
+    dist.all_gather(counts, rows)
+    sizes = [int(c) for c in counts]
+    most = max(sizes)
+    if tensor.shape[0] < most:
+        pad = tensor.new_zeros((most - tensor.shape[0], *tensor.shape[1:]))
+        tensor = torch.cat([tensor, pad])
+    parts = dist_nn.all_gather(tensor)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)])

@@ -1,0 +1,163 @@
+"""Keras 3's step overrides on ``fitdp.Model`` (mixed into it): ``train_step``,
+``test_step``, ``predict_step``, ``compute_loss``, the model called as ``self(x)``, and
+``optimizer_step`` for a step that takes its own optimizer steps (a GAN).
+
+Each step runs per device slice on that device's replica (``fitdp.call.custom_step``).
+The defaults are the built-in step, so a subclass overrides only what it changes; a model
+that overrides nothing never goes through them (the built-in path, at its speed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitdp.call.custom_step import overridden, step_context
+from fitdp.checks import fail
+from fitdp.compiled.optimizers import MultiOptimizer
+from fitdp.executor.executor import call_module
+from fitdp.executor.gather import current
+
+
+def unpack_x_y_sample_weight(data: Any) -> tuple[Any, Any, Any]:
+    """Keras's ``keras.utils.unpack_x_y_sample_weight``: ``(x, y, sample_weight)`` from a
+    step's ``data`` (``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``; y and the weights
+    None where absent).
+
+    Example:
+        >>> unpack_x_y_sample_weight((1, 2))
+        (1, 2, None)
+    """
+    if isinstance(data, tuple) and 1 <= len(data) <= 3:
+        return (*data, *([None] * (3 - len(data))))  # type: ignore[return-value]
+    return data, None, None
+
+
+class KerasSteps:
+    """The overridable steps (module docstring); ``Model`` holds the rest."""
+
+    _trainer: Any
+    _module: nn.Module
+
+    @property
+    def steps_overridden(self) -> bool:
+        """Whether this model's class overrides a step (then it trains through them)."""
+        return overridden(self, KerasSteps)
+
+    @property
+    def module(self) -> nn.Module:
+        """The network. Inside a step: the replica the step runs on; else the host module
+        (the trained, device-averaged weights between calls)."""
+        context = current()
+        if context is not None and context.owner is self:
+            return context.module
+        return self._module
+
+    @module.setter
+    def module(self, value: nn.Module) -> None:
+        self._module = value
+
+    def __call__(self, x: Any, training: bool | None = None) -> Any:
+        """The module on ``x`` (a tensor, a tuple of inputs or a dict of keyword inputs);
+        inside a step on the step's replica. ``training`` switches the replica's mode for
+        this call only (Keras's ``training=``; fitdp already runs training steps in train
+        mode and the others in eval mode)."""
+        context = current()
+        mine = context is not None and context.owner is self
+        module = self.module
+        fn = context.fn if mine and context.fn is not None else module  # type: ignore[union-attr]
+        switch = training is not None and module.training is not training
+        if switch:
+            module.train(bool(training))
+        try:
+            outputs = call_module(fn, x)
+        finally:
+            if switch:
+                module.train(not training)
+        if mine:
+            context.outputs = outputs  # type: ignore[union-attr]
+        return outputs
+
+    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None,
+                     sample_weight: Any = None, training: bool = True) -> torch.Tensor:
+        """Compile's loss of ``y_pred`` against ``y`` (with ``sample_weight``), the mean over
+        the slice; ``y_pred`` is also what compile's metrics see. Override it for a loss
+        that needs ``x`` or no targets (``fit(x)`` without ``y``).
+
+        Raises:
+            RuntimeError: before ``compile``.
+            ValueError: no targets (``y`` is None) for compile's loss.
+        """
+        if self._trainer is None:
+            raise RuntimeError("compute_loss: the model is not compiled; call "
+                               "model.compile(...) first")
+        context = current()
+        if context is not None and context.owner is self:
+            context.outputs = y_pred
+        if y is None:
+            fail("y", None, "targets for compile's loss", "pass y to fit/evaluate, or "
+                 "override compute_loss (or train_step) for a loss without targets",
+                 error=ValueError)
+        objective = self._trainer.objective
+        return objective(y_pred, y) if sample_weight is None else objective(
+            y_pred, y, sample_weight)
+
+    def train_step(self, data: Any) -> torch.Tensor | dict[str, Any]:
+        """One device slice's training step: returns its loss (the slice's mean), or a dict
+        of logs holding ``"loss"``; fitdp does backward, the reduce across devices and
+        ranks, unscaling, clipping, accumulation and the optimizer step.
+
+        Args:
+            data: ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)`` of this slice.
+        """
+        x, y, sample_weight = unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=True)
+        return self.compute_loss(x, y, y_pred, sample_weight, training=True)
+
+    def test_step(self, data: Any) -> torch.Tensor | dict[str, Any] | None:
+        """One device slice's evaluation step: its loss (or logs holding it); compile's
+        metrics see the outputs."""
+        x, y, sample_weight = unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        if y is None and type(self).compute_loss is KerasSteps.compute_loss:
+            return None  # no targets and compile's loss: outputs only
+        return self.compute_loss(x, y, y_pred, sample_weight, training=False)
+
+    def predict_step(self, data: Any) -> Any:
+        """One device slice's predictions (rows in input order)."""
+        x, _, _ = unpack_x_y_sample_weight(data)
+        return self(x, training=False)
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The compiled optimizers by name (one: ``{"0": optimizer}``)."""
+        if self._trainer is None:
+            return {}
+        opt = self._trainer.optimizer
+        return dict(opt.optimizers) if isinstance(opt, MultiOptimizer) else {"0": opt}
+
+    def optimizer_step(self, name: str, loss: torch.Tensor) -> None:
+        """Inside ``train_step``: one step of the optimizer ``name`` from ``loss`` (this
+        slice's mean), Lightning's manual optimization. Every replica zeroes its gradients,
+        backpropagates its weighted loss, then the gradients are summed across the replicas
+        and ranks (the whole batch's gradient, as one device) and the optimizer steps
+        device 0's parameters, copied to every replica before the step goes on. Every
+        replica must call it the same times in the same order.
+
+        Raises:
+            RuntimeError: outside a step.
+            ValueError: an unknown ``name``.
+        """
+        context = step_context("optimizer_step")
+        optimizers = self.optimizers
+        if name not in optimizers:
+            fail("optimizer_step(name)", name, f"one of {sorted(optimizers)}",
+                 "compile(optimizer={name: ..., ...}) names them", error=ValueError)
+        opt = optimizers[name]
+        context.step.zero_device(context)
+        weighted = loss if isinstance(context.weight, float) and context.weight == 1.0 \
+            else loss * context.weight
+        weighted.backward()
+        context.step.apply(context, opt)
