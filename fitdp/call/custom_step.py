@@ -53,15 +53,17 @@ class CustomStep:
         self.ranks = ranks
         self.meeting = Meeting(devices) if len(devices) > 1 else None
         self.predicting = False
+        self.manual = False  # several optimizers, stepped by train_step (set by Replicas)
         self._index: dict[int, int] = {}  # id(executor) -> device index
         self.manager: Any = None
         # Per device: log key -> (sum of value * rows, rows) of extra logs a step returned.
         self._logs: list[dict[str, list[float]]] = [{} for _ in devices]
 
-    def bind(self, manager: Any) -> None:
+    def bind(self, manager: Any, manual: bool) -> None:
         """The executor manager the step runs in (a device's index is its executor's place
-        in its group; ``optimizer_step`` reduces and steps through it)."""
-        self.manager = manager
+        in its group; ``optimizer_step`` reduces and steps through it); ``manual``: the
+        compiled optimizers are stepped by ``train_step`` (``Compiled.manual``)."""
+        self.manager, self.manual = manager, manual
 
     def _device_index(self, ex: Any) -> int:
         index = self._index.get(id(ex))
@@ -100,7 +102,7 @@ class CustomStep:
         """The step's loss (backpropagated by fitdp) from what it returned; the other logs
         of a dict are kept per device, weighed by the slice's rows."""
         what = "train_step" if training else "test_step"
-        manual = training and model_is_manual(self.model)
+        manual = training and self.manual
         if isinstance(result, torch.Tensor) and not manual:
             return result
         if isinstance(result, torch.Tensor):
@@ -168,12 +170,6 @@ class CustomStep:
             logs.clear()
 
 
-def model_is_manual(model: Any) -> bool:
-    """Whether the model's compiled optimizers are stepped by its own ``train_step``."""
-    trainer = getattr(model, "_trainer", None)
-    return trainer is not None and getattr(trainer, "manual", False)
-
-
 def step_context(what: str) -> ReplicaContext:
     """The context of the step this thread runs, or a clear error outside one."""
     from fitdp.executor.gather import current
@@ -185,4 +181,4 @@ def step_context(what: str) -> ReplicaContext:
     return context
 
 
-__all__ = ["CustomStep", "model_is_manual", "overridden", "step_context", "step_data"]
+__all__ = ["CustomStep", "overridden", "step_context", "step_data"]
