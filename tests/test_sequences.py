@@ -5,6 +5,7 @@ over the same batches."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,17 @@ def test_predictor_of_time_major_inputs_with_lengths(tmp_path: Path) -> None:
         torch.testing.assert_close(predictor(*y), model.module.eval()(*y))
     with pytest.raises(ValueError, match="disagree on the batch size"):
         predictor(torch.randint(1, VOCAB, (12, 6)), torch.tensor([1, 2]))
+
+
+def test_custom_loss_on_padded_tokens_without_a_declaration_warns() -> None:
+    """Regression (issue 22.3): a custom per-token loss on 2 replicas silently trained another
+    update (weighed by rows); undeclared, it now warns, and TokenMean does not."""
+    with pytest.warns(fitdp.checks.FitdpWarning, match="TokenMean"):
+        model = fitdp.Model(TimeMajorLM())
+        model.compile(optimizer="sgd", loss=_lm_loss)
+        model.fit(_data("lm"), epochs=1, devices=["cpu", "cpu"], verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fitdp.checks.FitdpWarning)
+        model = fitdp.Model(TimeMajorLM())
+        model.compile(optimizer="sgd", loss=fitdp.TokenMean(_lm_loss))
+        model.evaluate(_data("lm"), devices=["cpu"], verbose=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fitdp.checks import check_number, fail, first_line, reworded
+from fitdp.checks import FitdpWarning, check_number, fail, first_line, reworded
 from fitdp.compiled.keras_names import BINARY_LOSSES, LOSS_ALIASES, canonical_loss, check_outputs
 from fitdp.data.batch import tree_leaves, tree_names
 
@@ -88,7 +89,10 @@ class Loss:
 
     def check_targets(self, targets: Any) -> None:
         """Target dtypes a named loss cannot use, caught before any weight changes."""
-        if not isinstance(self.spec, str) or not isinstance(targets, torch.Tensor):
+        if not isinstance(targets, torch.Tensor):
+            return
+        if not isinstance(self.spec, str):
+            warn_undeclared_tokens(self.name, self.spec, targets)
             return
         if self.spec == "cross_entropy" and targets.is_floating_point():
             fail(f"{self.name}='cross_entropy'",
@@ -221,6 +225,22 @@ def _declared_counts(spec: Any) -> Callable[[Any], torch.Tensor] | None:
         return None
     counts = getattr(spec, "counts", None)
     return counts if callable(counts) else None
+
+
+def warn_undeclared_tokens(name: str, spec: Any, targets: torch.Tensor) -> None:
+    """Warn when a custom loss that does not say what it averages over gets per-token labels
+    padded with -100: it is weighed by rows (sequences) on several devices and in the logged
+    loss, while it likely averages tokens. One op on the first batch of a call."""
+    if (_declared_counts(spec) is not None or _ignore_index(spec) is not None
+            or targets.is_floating_point() or targets.dim() < 2
+            or not bool((targets == -100).any())):
+        return
+    warnings.warn(
+        f"{name}: {spec!r} gets per-token labels padded with -100 but does not say what it "
+        f"averages over, so several devices and the logged loss weigh it by rows (sequences)"
+        f"; a mean over tokens then trains another update on several devices. Fix: "
+        f"compile(loss=fitdp.TokenMean(fn)) (or give it a counts(targets) method).",
+        FitdpWarning, stacklevel=2)
 
 
 def _ignore_index(spec: Any) -> int | None:
