@@ -168,6 +168,15 @@ class Replicas:
 
 def _convert_sync_batchnorm(module: nn.Module, devices: list[torch.device]) -> None:
     """Caffe2's ``combine_spatial_bn``: BatchNorm statistics over every rank's batch."""
+    if len(devices) > 1:
+        # Each replica thread would issue SyncBatchNorm's all_gather on the one process group
+        # at once (collective order may then differ between ranks: a hang), and the
+        # statistics would cover one thread's slice per rank.
+        fail("compile(sync_batchnorm=True)", f"devices={[str(d) for d in devices]} on each "
+             "rank under torchrun", "one device per rank",
+             "launch one process per device (torchrun --nproc-per-node), or drop "
+             "sync_batchnorm (BatchNorm running statistics are then averaged over devices and "
+             "ranks at epoch ends)", described=True)
     if any(d.type != "cuda" for d in devices):
         fail("compile(sync_batchnorm=True)", [str(d) for d in devices],
              "CUDA devices (torch's SyncBatchNorm runs on CUDA only)",

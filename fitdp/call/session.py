@@ -24,13 +24,13 @@ from fitdp.call.run_state import RunState
 from fitdp.callbacks import CallbackList
 from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.losses import explain_failure
-from fitdp.compiled.metrics import DeviceMetrics
 from fitdp.compiled.setup import Compiled
 from fitdp.data.batch import DataBatch, take_rows, tree_cat, tree_leaves, tree_map, tree_structure
 from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.monitor import Monitor
+from fitdp.executor.running import BatchStep
 from fitdp.saving.entries import Entry, EpochLogs
 
 # the package's folder (this file is in fitdp/call/): an error raised anywhere in fitdp
@@ -89,6 +89,12 @@ class Session:
         self.step_scheduler = trainer is not None and trainer.scheduler is not None
         if self.monitor is not None:
             self.mgr.install_monitor(self.monitor)
+        # The steps of the call, chosen once from what the call fixes (Keras's
+        # make_train_function): the batch loops below only call them.
+        self.test = self.mgr.bind_step(False, metric=self.metrics)
+        self.train = self.mgr.bind_step(
+            True, optimizer=trainer.optimizer, scaler=trainer.scaler, clip_norm=self.clip,
+            scale=self.scale, metric=self.metrics) if trainer is not None else None
         # Measured loads for this call, or the placement's (replicas kept from an "auto"
         # call measure no more); the model reports the list in use, updated in place.
         self.mgr.set_work_load_list(
@@ -117,7 +123,9 @@ class Session:
         self.epoch_logs.live = False
         if run.micro_step:  # the epoch's last batches, fewer than grad_accum_steps
             with GUARD.critical():
-                self._optimizer_step()
+                if not self.manual:
+                    self.train.step_now()  # type: ignore[union-attr]
+                self._stepped()
         logs = self.read_logs()
         self.mgr.sync_buffers()  # every replica (and the saved model) gets the same BN stats
         return logs
@@ -153,9 +161,8 @@ class Session:
     def train_step(self, batch: DataBatch, index: int) -> dict[str, float]:
         """Forward and backward of one batch; an optimizer step every ``grad_accum_steps``
         batches. Runs whole: a Ctrl-C during it is raised after it."""
-        trainer, run = self.trainer, self.run
-        assert trainer is not None  # noqa: S101 - fit needs compile
-        with GUARD.critical():
+        run = self.run
+        with GUARD.critical():  # the step's one guard (the bound step holds none)
             if self.mode is not True:
                 self._set_mode(True)
             if self.monitor is not None:
@@ -164,34 +171,21 @@ class Session:
             # next step begins (monitors, callbacks).
             first = run.micro_step == 0
             due = run.micro_step + 1 >= self.accum
-            if self.verified:  # the step inside the batch's hand-off (see run_batch)
-                self.mgr.run_batch(batch, True, total_rows=batch.global_rows, scale=self.scale,
-                                   metric=self._metrics_for(batch),
-                                   zero_grad=first, optimizer=trainer.optimizer
-                                   if due and not self.manual else None,
-                                   scaler=trainer.scaler, clip_norm=self.clip)
-            else:  # the first batch: its outputs are checked before the first step
-                self._run(batch, True, zero_grad=first)
+            # Stepped inside the batch's hand-off, except on the call's first batch: its
+            # outputs are checked before the first step. With several optimizers a custom
+            # train_step steps them itself (``Model.optimizer_step``): fitdp takes none.
+            self._run(self.train, batch,  # type: ignore[arg-type]
+                      zero_grad=first, step=due and self.verified and not self.manual)
+            if not self.verified:
                 self._first_batch_checks(batch)
                 if due and not self.manual:
-                    self._step_replicas()
+                    self.train.step_now()  # type: ignore[union-attr]
             run.micro_step += 1
             if due:
                 self._stepped()
             if self.monitor is not None:
                 self.monitor.report(run.epoch)
         return self._batch_logs(index)
-
-    def _optimizer_step(self) -> None:
-        if not self.manual:
-            self._step_replicas()
-        self._stepped()
-
-    def _step_replicas(self) -> None:
-        trainer = self.trainer
-        assert trainer is not None and trainer.optimizer is not None  # noqa: S101 - fit checked
-        self.mgr.step(trainer.optimizer, scaler=trainer.scaler,
-                      clip_norm=trainer.config.grad_clip_norm)
 
     def _stepped(self) -> None:
         """What follows an optimizer step: the scheduler, the counters, the data position."""
@@ -222,7 +216,7 @@ class Session:
         callbacks.call("on_test_begin", {})
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
-            self._run(batch, is_train=False)
+            self._run(self.test, batch)
             if not self.verified:
                 self._first_batch_checks(batch)
             return self._batch_logs(index)
@@ -247,7 +241,7 @@ class Session:
             if self.custom is not None:  # forward runs predict_step during this pass
                 self.custom.predicting = True
             try:
-                self._run(batch, is_train=False)
+                self._run(self.test, batch)
             finally:
                 if self.custom is not None:
                     self.custom.predicting = False
@@ -265,25 +259,16 @@ class Session:
 
     # -- shared by every call -------------------------------------------------------------
 
-    def _metrics_for(self, batch: DataBatch) -> DeviceMetrics | None:
-        """The metrics to update on ``batch`` (None without labels), told its batch axis:
-        time-major outputs reach them batch-first (``DeviceMetrics.axis``)."""
-        metrics = self.metrics
-        if metrics is None or batch.label is None:
-            return None
-        metrics.axis = batch.axis
-        return metrics
-
-    def _run(self, batch: DataBatch, is_train: bool, **step: Any) -> None:
-        """Load, forward (and backward when training) one batch and update the metrics, in
-        one hand-off per device; ``step``: ``run_batch``'s zeroing and optimizer step. On a
-        call's first batch, the user's errors come back with what the batch held."""
-        if self.mode is not is_train:
-            self._set_mode(is_train)
+    def _run(self, bound: BatchStep, batch: DataBatch, **how: Any) -> None:
+        """One batch through one of the call's bound steps (``how``: its zeroing and
+        optimizer step). On a call's first batch, the user's errors come back with what the
+        batch held."""
+        if self.mode is not bound.is_train:
+            self._set_mode(bound.is_train)
         if self.checked:
-            metrics = self._metrics_for(batch)
-            self.mgr.run_batch(batch, is_train, total_rows=batch.global_rows,
-                               scale=self.scale if is_train else None, metric=metrics, **step)
+            if self.metrics is not None:  # time-major outputs reach them batch-first
+                self.metrics.axis = batch.axis
+            bound(batch, total_rows=batch.global_rows, **how)
             return
         trainer = self.trainer
         if trainer is not None and batch.label is not None and self.custom is None:
@@ -292,7 +277,7 @@ class Session:
                 raise ValueError(trainer.objective.no_weights_message())
         try:
             self.checked = True
-            self._run(batch, is_train, **step)
+            self._run(bound, batch, **how)
         except Exception as err:
             self.checked = False
             if _raised_in_fitdp(err):

@@ -1,4 +1,13 @@
-"""One replica on one device: its module, its input buffers, its outputs and loss."""
+"""One replica on one device: its module, its input buffers, its outputs and loss.
+
+The loss of a slice goes through one bound callable, ``compute(executor, training) ->
+(loss, outputs)`` (``Compute``): it runs the replica on the executor's staged slice
+(``Executor.run``) and returns the slice's mean loss (or None) with the outputs. The default
+is ``ModuleLoss``: forward, then compile's loss on the valid (not padding) rows, with the
+slice's sample weights. A custom training step or a loss that says what it averages over
+replaces it without touching the per-replica routine (``fitdp.executor.job``); the executor
+then weighs the loss by the slice's share and keeps it for the logs.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +26,8 @@ from fitdp.data.batch import axis_of, batch_length, take_rows, tree_leaves, tree
 # (outputs, targets) -> scalar mean loss; called (outputs, targets, sample_weight) when the
 # batch carries per-sample weights.
 LossFn = Callable[..., torch.Tensor]
-# (executor, training) -> (the slice's mean loss or None, outputs): a custom step in place of
-# forward and loss_fn (``Executor.compute``; ``fitdp.call.custom_step``).
+# (executor, training) -> (the slice's mean loss or None, outputs); see the module docstring
+# (a custom step: ``fitdp.call.custom_step``).
 Compute = Callable[["Executor", bool], tuple["torch.Tensor | None", Any]]
 _NULL = contextlib.nullcontext()  # reusable: entering it has no state
 
@@ -29,6 +38,10 @@ _NULL = contextlib.nullcontext()  # reusable: entering it has no state
 # ``_run_module``): its cache holds only its own input shapes, and only its thread touches it.
 _THREAD = threading.local()  # the recompile limit this thread has already raised dynamo's to
 _LIMIT_MARGIN = 8  # room for dynamo's own guard failures (the default limit)
+# A new shape compiles under this lock, one replica thread at a time: dynamo and inductor
+# keep process-wide state (caches, config, CUDA-graph trees) that concurrent first calls
+# from several device threads would race on; cached shapes run without it.
+_COMPILE_LOCK = threading.Lock()
 
 
 def _run_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -98,9 +111,7 @@ class Executor:
             if compile else module
         )
         self.compiled = bool(compile)
-        # A custom step runs instead of forward and the loss; it reads the slice's ``weight``.
-        self.compute: Compute | None = None
-        self.weight: float | torch.Tensor = 1.0
+        self.weight: float | torch.Tensor = 1.0  # this slice's share (a custom step reads it)
         self.inputs_need_grad = inputs_need_grad
         self.grad_inputs: Any = None  # the inputs autograd tracked (inputs_need_grad)
         self.signatures: set[Hashable] = set()  # input signatures compiled so far
@@ -113,6 +124,7 @@ class Executor:
         self.axis = 0
         self.outputs: Any = None
         self.loss: torch.Tensor | None = None
+        self._autocast: torch.dtype | None = None  # this forward's (a compiled graph's key)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.loss_count = torch.zeros((), dtype=torch.float64, device=device)
         self.pending_losses: list[tuple[torch.Tensor, int | torch.Tensor]] = []
@@ -166,12 +178,13 @@ class Executor:
     def forward(
         self,
         is_train: bool,
-        loss_fn: LossFn | None = None,
+        compute: Compute | None = None,
         weight: float | torch.Tensor = 1.0,
         autocast_dtype: torch.dtype | None = None,
         count: int | torch.Tensor | None = None,
     ) -> Any:
-        """Run the replica on its slice; with labels and ``loss_fn``, compute the weighted loss.
+        """Run ``compute`` (default: the replica alone, no loss) on the slice; keep its
+        outputs, and its loss weighted by ``weight`` for backward.
 
         ``count`` is what the slice's mean loss divides by (default: its valid rows; the
         non-ignored targets of a loss with an ignore index): the logged loss weighs each
@@ -180,33 +193,15 @@ class Executor:
         if self.rows == 0:  # a short final batch left this device idle
             self.outputs = None
             return None
+        compute = compute or _outputs_only
+        self._autocast, self.weight = autocast_dtype, weight
         if autocast_dtype is None and torch.is_grad_enabled() is is_train:
-            return self._forward(is_train, loss_fn, weight, None, count)  # no context to enter
-        autocast = (torch.autocast(self.device.type, dtype=autocast_dtype)
-                    if autocast_dtype is not None else _NULL)
-        with torch.set_grad_enabled(is_train), autocast:
-            return self._forward(is_train, loss_fn, weight, autocast_dtype, count)
-
-    def _forward(self, is_train: bool, loss_fn: LossFn | None, weight: float | torch.Tensor,
-                 autocast_dtype: torch.dtype | None, count: int | torch.Tensor | None) -> Any:
-        loss, lab, w = None, None, None
-        if self.compute is not None:
-            self.weight = weight
-            loss, outputs = self.compute(self, is_train)
-            count = self.valid if count is None else count
+            loss, outputs = compute(self, is_train)  # no context to enter
         else:
-            if self.compiled or self.inputs_need_grad:
-                outputs = self._call(is_train, autocast_dtype)
-            else:
-                inputs = self.inputs  # the common case, without _call's and call_module's
-                outputs = self.fn(inputs) if inputs.__class__ is torch.Tensor else call_module(
-                    self.fn, inputs)
-            if loss_fn is not None and self.labels is not None and self.valid > 0:
-                out, lab, w = outputs, self.labels, self.weights
-                if self.valid < self.rows:
-                    out, lab = self.valid_rows(outputs), self.valid_rows(lab)
-                    w = None if w is None else w[: self.valid]
-                loss = loss_fn(out, lab) if w is None else loss_fn(out, lab, w)
+            autocast = (torch.autocast(self.device.type, dtype=autocast_dtype)
+                        if autocast_dtype is not None else _NULL)
+            with torch.set_grad_enabled(is_train), autocast:
+                loss, outputs = compute(self, is_train)
         self.outputs = outputs
         if loss is not None:
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -216,9 +211,10 @@ class Executor:
                     f"(the mean over the batch). Fix: reduce with .mean() or use "
                     f"reduction='mean'."
                 )
-            if count is None:  # (the built-in loss: a custom step counted its rows above)
-                count = self._logged_count(loss_fn, lab) if w is None and loss_fn else (
-                    self.valid)
+            if count is None:  # the logged loss weighs the slice by what it means over
+                labels = self.labels if self.valid == self.rows else self.valid_rows(self.labels)
+                count = self.valid if self.weights is not None or labels is None else (
+                    self._logged_count(getattr(compute, "counts", None), labels))
             self.pending_losses.append((loss.detach(), count))
             if len(self.pending_losses) >= 256:  # bound the list between log points
                 self.fold_losses()
@@ -226,7 +222,7 @@ class Executor:
             self.loss = loss if unit else loss * weight
         return outputs
 
-    def _logged_count(self, loss_fn: LossFn, labels: Any) -> int | torch.Tensor:
+    def _logged_count(self, counter: Any, labels: Any) -> int | torch.Tensor:
         """What the logged loss weighs this slice by when the caller gave no count: the
         targets a counted loss means over (per-token labels padded with -100), else the
         valid rows; so the logged loss is the same on one device as on several.
@@ -234,7 +230,6 @@ class Executor:
         The labels' base tensor (an in-memory source's epoch labels) is counted once while
         it is unchanged: with no target ignored, rows weigh as tokens, and no op is made
         per step."""
-        counter = getattr(loss_fn, "counts", None)
         if counter is None or not isinstance(labels, torch.Tensor):
             return self.valid
         base = labels if labels._base is None else labels._base
@@ -249,6 +244,14 @@ class Executor:
             return self.valid
         return whole if labels is base else counter(labels)
 
+    def run(self, is_train: bool) -> Any:
+        """The replica's outputs on the staged inputs (under the caller's grad mode)."""
+        if self.compiled or self.inputs_need_grad:
+            return self._call(is_train, self._autocast)
+        inputs = self.inputs  # the common case, without _call's and call_module's checks
+        return self.fn(inputs) if inputs.__class__ is torch.Tensor else call_module(
+            self.fn, inputs)
+
     def signature(self, is_train: bool, autocast_dtype: torch.dtype | None) -> Hashable:
         """What a static compiled graph is specialised on: mode and input shapes and dtypes."""
         leaves = tree_leaves(self.inputs)
@@ -256,8 +259,11 @@ class Executor:
 
     def _call(self, is_train: bool, autocast_dtype: torch.dtype | None) -> Any:
         """Run the replica; with compile, first make room in dynamo's cache for a new shape."""
+        first = False
         if self.compiled:
-            self.signatures.add(self.signature(is_train, autocast_dtype))
+            signature = self.signature(is_train, autocast_dtype)
+            first = signature not in self.signatures
+            self.signatures.add(signature)
             # Without bucket_module one replica meets every bucket's shapes (and tails): more
             # than dynamo's default limit of 8 graphs, past which it would run eagerly for good.
             _raise_recompile_limit(len(self.signatures) + _LIMIT_MARGIN)
@@ -268,6 +274,9 @@ class Executor:
             inputs = tree_map(lambda t: t.detach().requires_grad_() if t.is_floating_point()
                               else t, inputs)
             self.grad_inputs = inputs
+        if first:
+            with _COMPILE_LOCK:  # see _COMPILE_LOCK
+                return call_module(self.fn, inputs)
         return call_module(self.fn, inputs)
 
     def input_grads(self) -> list[torch.Tensor | None]:
@@ -314,6 +323,43 @@ class Executor:
         self.loss_sum.zero_()
         self.loss_count.zero_()
         self.pending_losses = []
+
+
+class ModuleLoss:
+    """The default ``Compute``: the replica's forward, then ``loss_fn`` on the valid rows
+    (``loss_fn(outputs, targets)``, or ``(outputs, targets, sample_weight)`` when the batch
+    carries sample weights). Without labels or ``loss_fn``: the outputs and no loss.
+
+    Args:
+        loss_fn: ``callable(outputs, targets) -> scalar``, the mean over the slice, or None.
+
+    Example:
+        >>> ex = Executor(nn.Linear(3, 2), torch.device("cpu"), {})
+        >>> ex.load(torch.ones(4, 3), torch.zeros(4, dtype=torch.long), valid=4)
+        >>> loss, out = ModuleLoss(nn.functional.cross_entropy)(ex, True)
+        >>> loss.dim(), out.shape
+        (0, torch.Size([4, 2]))
+    """
+
+    def __init__(self, loss_fn: LossFn | None) -> None:
+        self.loss_fn = loss_fn
+        # What a slice's mean divides by when it is not the rows (see ``job.weigh``).
+        self.counts = getattr(loss_fn, "counts", None)
+
+    def __call__(self, ex: Executor, training: bool) -> tuple[torch.Tensor | None, Any]:
+        outputs = ex.run(training)
+        loss_fn = self.loss_fn
+        if loss_fn is None or ex.labels is None or ex.valid == 0:
+            return None, outputs
+        out, lab, w = outputs, ex.labels, ex.weights
+        if ex.valid < ex.rows:
+            out, lab = ex.valid_rows(outputs), ex.valid_rows(lab)
+            w = None if w is None else w[: ex.valid]
+        return (loss_fn(out, lab) if w is None else loss_fn(out, lab, w)), outputs
+
+
+def _outputs_only(ex: Executor, training: bool) -> tuple[None, Any]:
+    return None, ex.run(training)
 
 
 def _raise_recompile_limit(entries: int) -> None:

@@ -1,22 +1,39 @@
-"""One batch's work on every device (``DataParallelExecutorGroup.run``): what each device
-thread runs in the batch's one hand-off."""
+"""The per-replica routine: what each device does with its slice of a batch.
+
+``device_share(job, d)`` is the one routine every path runs, one device or many, CPU replicas
+or GPUs, ranks or not, buckets or not: zero (the first batch of an optimizer step), load the
+slice, forward and loss (through the bound ``compute``, see ``fitdp.executor.executor``),
+backward, metric update. The MXNet-style manager calls (``load_data_batch``, ``forward``,
+``backward``, ``update_metric``) run its phases one at a time on every device
+(``load_share``, ``forward_share``, ``backward_share``, ``metric_share``); ``run_batch`` runs
+them all in one hand-off. ``device_task`` adds the device's shard of a sharded optimizer step.
+
+Each slice's loss is weighted by its share of the batch (``weigh``): its valid rows over the
+batch's (and the ranks') rows, or, for a loss that means over counted targets (an ignore
+index), its count over the total (``count_targets``), so the summed gradients are the
+whole-batch gradient.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fitdp.data.batch import DataBatch, take_rows
-from fitdp.executor.executor import Executor, LossFn
-from fitdp.executor.fused import FusedUpdate
+from fitdp.executor.executor import Compute, Executor
+
+if TYPE_CHECKING:
+    from fitdp.executor.update import Update
+
+Count = Callable[[Any], "torch.Tensor | None"]  # labels -> targets the loss means over
 
 
 class Job:
-    """One ``run``'s work, read by every device thread, set before the hand-off (kept until
+    """One batch's work, read by every device thread, set before the hand-off (kept until
     the next: the executors hold the batch's inputs anyway). Holds the executors, never
     their group.
 
@@ -32,7 +49,7 @@ class Job:
         self.turn = [threading.Event() for _ in range(n)]  # forwards in device order
         self.times = [0.0] * n  # each device's seconds on its share of the last batch
         self.ends = [0.0] * n  # when each device's share ended (``perf_counter``)
-        self.weights: list[Any] = [None] * n
+        self.weights: list[Any] = [1.0] * n
         self.counts: list[Any] = [None] * n
         self.valid = [0] * n
         self.in_turn = False
@@ -40,14 +57,26 @@ class Job:
         self.batch: Any = None
         self.slices: list[slice] = []
         self.is_train, self.load, self.axis = False, True, 0
-        self.loss_fn: LossFn | None = None
+        self.compute: Compute | None = None
         self.autocast: torch.dtype | None = None
         self.scale: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.metric: Any = None
-        self.update: FusedUpdate | None = None
+        self.metric_labels: Any = None  # labels given to ``update_metric`` (None: the batch's)
+        self.update: Update | None = None
         self.clean: tuple[torch.Tensor, int] | None = None  # labels counted whole (all_counted)
 
-    def all_counted(self, labels: Any, counter: Callable[[Any], torch.Tensor | None]) -> bool:
+    def set(self, batch: DataBatch, rows: int, axis: int, slices: list[slice]) -> None:
+        """This batch, its rows, batch axis and slices; each device's valid rows."""
+        self.batch, self.slices, self.axis, self.load = batch, slices, axis, True
+        self.metric_labels = None
+        end = rows - batch.pad
+        if len(slices) == 1:
+            self.valid[0] = end
+        else:
+            for d, sl in enumerate(slices):
+                self.valid[d] = max(0, min(sl.stop, end) - sl.start)
+
+    def all_counted(self, labels: Any, counter: Count) -> bool:
         """Whether ``counter`` counts every target of ``labels``: an integer count (an
         unweighted loss) of all of them means none is ignored, so each device's count is its
         rows times the targets per row and the row weights are exact (ordinary labels).
@@ -66,25 +95,87 @@ class Job:
         self.clean = (base, base._version)
         return True
 
-    def set(self, batch: DataBatch, rows: int, axis: int, slices: list[slice], is_train: bool,
-            loss_fn: LossFn | None, autocast: torch.dtype | None,
-            scale: Callable[[torch.Tensor], torch.Tensor] | None, metric: Any,
-            update: FusedUpdate | None) -> None:
-        self.batch, self.slices, self.is_train, self.loss_fn = batch, slices, is_train, loss_fn
-        self.autocast, self.scale, self.metric, self.update = autocast, scale, metric, update
-        self.axis, self.load = axis, True
-        end = rows - batch.pad
-        if len(slices) == 1:
-            self.valid[0] = end
-        else:
-            for d, sl in enumerate(slices):
-                self.valid[d] = max(0, min(sl.stop, end) - sl.start)
 
+# -- the per-replica routine ----------------------------------------------------------------
+
+def load_share(job: Job, d: int) -> None:
+    """Copy device ``d``'s slice of the batch into its input buffers."""
+    ex, batch = job.executors[d], job.batch
+    if len(job.executors) == 1:
+        ex.load(batch.data, batch.label, job.valid[0], batch.sample_weight, job.axis)
+    else:
+        sl, axis = job.slices[d], job.axis
+        ex.load(_rows(batch.data, sl, axis), _rows(batch.label, sl, axis), job.valid[d],
+                None if batch.sample_weight is None else batch.sample_weight[sl], axis)
+
+
+def forward_share(job: Job, d: int) -> float:
+    """Forward and loss on device ``d``; in turn (after device ``d - 1``'s forward) when the
+    replicas share a generator and draw from it. Returns the seconds spent waiting."""
+    ex = job.executors[d]
+    if not job.in_turn:
+        ex.forward(job.is_train, job.compute, job.weights[d], job.autocast, job.counts[d])
+        return 0.0
+    waited = 0.0
+    try:
+        if d:
+            before = perf_counter()
+            job.turn[d - 1].wait()
+            waited = perf_counter() - before
+        ex.forward(job.is_train, job.compute, job.weights[d], job.autocast, job.counts[d])
+    finally:
+        job.turn[d].set()  # also on failure: the next device never waits for ever
+    return waited
+
+
+def backward_share(job: Job, d: int) -> None:
+    """Backward of device ``d``'s weighted loss (gradients add into its buckets)."""
+    job.executors[d].backward(job.scale)
+
+
+def metric_share(job: Job, d: int) -> None:
+    """Device ``d``'s clone of ``job.metric`` (a ``DeviceMetrics``) updated with its valid
+    outputs and labels, on its thread."""
+    ex = job.executors[d]
+    labels = ex.labels if job.metric_labels is None else take_rows(
+        job.metric_labels, job.slices[d], ex.axis)
+    if ex.valid > 0 and labels is not None:
+        job.metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(labels),
+                          ex.valid_rows(ex.weights))
+
+
+def device_share(job: Job, d: int) -> None:
+    """Device ``d``'s share of the batch: zero, load, forward, backward, metric; its time
+    goes to ``job.times[d]`` (less the wait for an earlier device's turn)."""
+    timed = job.timed
+    start = perf_counter() if timed else 0.0
+    waited = 0.0
+    try:
+        update = job.update
+        if update is not None:
+            update.before(d)
+        if job.load:
+            load_share(job, d)
+        waited = forward_share(job, d)
+    finally:
+        if job.in_turn:
+            job.turn[d].set()  # a load that failed never leaves the next device waiting
+    if job.is_train:
+        backward_share(job, d)
+    if job.metric is not None:
+        metric_share(job, d)
+    if timed:
+        ex = job.executors[d]
+        if ex.device.type == "cuda":
+            torch.cuda.synchronize(ex.device)  # the share's device time (measuring only)
+        end = perf_counter()
+        job.times[d] = end - start - waited
+        job.ends[d] = end
 
 
 def device_task(job: Job, d: int) -> None:
-    """Device ``d``'s whole part of the batch, on its thread: its share, then (with an
-    optimizer update) its part of the update once every device has arrived."""
+    """Device ``d``'s whole part of the batch, on its thread: its share, then its shard of a
+    sharded optimizer step once every device has arrived."""
     update = job.update
     ok = False
     try:
@@ -97,79 +188,65 @@ def device_task(job: Job, d: int) -> None:
         update.finish(d)
 
 
-def device_share(job: Job, d: int) -> None:
-    """Device ``d``'s share of the batch: zero, load, forward, backward, metric; its time
-    goes to ``job.times[d]`` (waits for the turn of an earlier device left out)."""
-    ex = job.executors[d]
-    timed = job.timed
-    start = perf_counter() if timed else 0.0
-    update = job.update
-    if update is not None:
-        update.before(d)
-    if job.load:
-        batch = job.batch
-        if len(job.executors) == 1:
-            ex.load(batch.data, batch.label, job.valid[0], batch.sample_weight, job.axis)
-        else:
-            sl, axis = job.slices[d], job.axis
-            ex.load(_rows(batch.data, sl, axis), _rows(batch.label, sl, axis), job.valid[d],
-                    None if batch.sample_weight is None else batch.sample_weight[sl], axis)
-    waited = 0.0
-    if job.in_turn:
-        if d and timed:
-            before = perf_counter()
-            job.turn[d - 1].wait()
-            waited = perf_counter() - before
-        elif d:
-            job.turn[d - 1].wait()
-        try:
-            ex.forward(job.is_train, job.loss_fn, job.weights[d], job.autocast, job.counts[d])
-        finally:
-            job.turn[d].set()  # also on failure: the next device never waits for ever
+# -- each slice's loss weight -------------------------------------------------------------
+
+def weigh(job: Job, total_rows: int | torch.Tensor, counter: Count | None,
+          global_count: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Each device's loss weight (and count) into ``job``: its valid rows over
+    ``total_rows``, or its share of the counted targets (see ``count_targets``)."""
+    executors, weights, counts = job.executors, job.weights, job.counts
+    if isinstance(total_rows, torch.Tensor):  # summed over ranks, on device 0: no host sync
+        denom = total_rows.clamp(min=1)
+        for d, ex in enumerate(executors):  # each device's weight on its own device
+            weights[d] = (job.valid[d] / denom).to(ex.device, non_blocking=True)
+            counts[d] = None
     else:
-        ex.forward(job.is_train, job.loss_fn, job.weights[d], job.autocast, job.counts[d])
-    if job.is_train:
-        ex.backward(job.scale)
-    metric = job.metric
-    if metric is not None and ex.valid > 0:
-        metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(ex.labels),
-                      ex.valid_rows(ex.weights))
-    if timed:
-        if ex.device.type == "cuda":
-            torch.cuda.synchronize(ex.device)  # the share's device time (measuring only)
-        end = perf_counter()
-        job.times[d] = end - start - waited
-        job.ends[d] = end
-
-
-
-
-def count_all(job: Job, counter: Callable[[Any], torch.Tensor | None]) -> bool:
-    """Every device's count of the targets its loss means over, and the weights they give,
-    into ``job`` (``DataParallelExecutorGroup._counts`` from the batch's label rows: no
-    device needs its slice loaded first). False when the loss means over rows after all.
-
-    Done before the hand-off: counted on device 0's thread during it, the few small ops
-    queued for the GIL behind the other threads' (measured: 115 us instead of 34 on the
-    128-wide MLP, two threads)."""
+        denom_f = float(max(total_rows, 1))
+        for d in range(len(executors)):
+            weights[d], counts[d] = job.valid[d] / denom_f, None
     batch = job.batch
-    if batch.label is None:
-        return False
-    if job.all_counted(batch.label, counter):
-        return True  # no target ignored: each device's count is in proportion to its rows
-    counts: list[torch.Tensor] = []
-    for ex, sl, valid in zip(job.executors, job.slices, job.valid):
-        if batch.label is None or not valid:
-            counts.append(torch.zeros((), device=ex.device))
-            continue
-        c = counter(take_rows(batch.label, slice(sl.start, sl.start + valid), job.axis))
-        if c is None:
-            return False
-        counts.append(c.float())
-    total = torch.stack(counts).sum().clamp(min=1)
-    for d, c in enumerate(counts):
-        job.counts[d], job.weights[d] = c, c / total
-    return True
+    if counter is None or (len(executors) == 1 and global_count is None) or (
+            batch.sample_weight is not None):
+        return  # sample weights mean over rows (Keras's sum_over_batch_size)
+    if global_count is None and all(ex.device.type == "cpu" for ex in executors):
+        # From the batch's label rows: no device needs its slice loaded first (counted on
+        # device 0's thread during the hand-off, the few small ops queued for the GIL behind
+        # the other threads': measured 115 us instead of 34 on the 128-wide MLP, two threads).
+        if batch.label is None or job.all_counted(batch.label, counter):
+            return  # no target ignored: each device's count is in proportion to its rows
+        labels = [take_rows(batch.label, slice(sl.start, sl.start + v), job.axis) if v else None
+                  for sl, v in zip(job.slices, job.valid)]
+    else:  # a collective over the ranks, or counts on the devices: from the loaded slices
+        if job.load:
+            for d in range(len(executors)):
+                load_share(job, d)
+            job.load = False
+        labels = [ex.valid_rows(ex.labels) if ex.labels is not None and ex.valid else None
+                  for ex in executors]
+    counted = count_targets(labels, [ex.device for ex in executors], counter, global_count)
+    if counted is not None:
+        per, total = counted
+        for d, c in enumerate(per):
+            counts[d], weights[d] = c, c / total.to(c.device, non_blocking=True)
+
+
+def count_targets(labels: Sequence[Any], devices: Sequence[torch.device], counter: Count,
+                  global_count: Callable[[torch.Tensor], torch.Tensor] | None
+                  ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """Per device, what its slice's mean loss divides by, and their sum over devices (and
+    ranks, ``global_count``): a loss with an ignore index (per-token labels padded with -100)
+    means over the targets it does not ignore, so weighing slices by rows would give another
+    update than one device on the whole batch. None for a loss that means over rows."""
+    counts = []
+    for lab, dev in zip(labels, devices):
+        c = counter(lab) if lab is not None else None
+        if c is None and lab is not None:
+            return None  # the loss means over rows after all
+        counts.append(torch.zeros((), device=dev) if c is None else c.float().to(dev))
+    total = torch.stack([c.to(devices[0], non_blocking=True) for c in counts]).sum()
+    if global_count is not None:
+        total = global_count(total)
+    return counts, total.clamp(min=1)
 
 
 def _rows(tree: Any, sl: slice, axis: int) -> Any:

@@ -16,20 +16,19 @@ from fitdp.data.batch import DataBatch, axis_of, take_rows, tree_map
 from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.devices import DevicesArg, resolve_devices
-from fitdp.executor.executor import Compute, LossFn
+from fitdp.executor.executor import Compute, LossFn, ModuleLoss
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.reduce import FlatBuckets
-from fitdp.executor.running import BatchRunMixin, all_reduce
+from fitdp.executor.running import StepMixin, all_reduce
 from fitdp.executor.sharing import bucket_replicas, check_unique_names
 from fitdp.executor.slicing import device_slices
-from fitdp.executor.step import OptimizerStepMixin, ShardedStep
 from fitdp.executor.workers import DeviceWorkers
 
 # Parameters or buffers: names, their ``[name][device]`` tensors, and the caller's by name.
 _Named = tuple[list[str], Sequence[Sequence[torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
-class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
+class DataParallelExecutorManager(StepMixin):
     """Run one module data-parallel over several devices, with bucketing.
 
     Keeps a persistent replica per device, splits each batch by the work load list, runs the
@@ -52,11 +51,16 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
             place of forward and ``loss`` on every slice (``fitdp.call.custom_step``). Its
             replicas always run at once, never one after another: they may meet in
             ``fitdp.all_gather`` (so dropout on CPU replicas draws in thread order).
+            Default: ``ModuleLoss(loss)``, forward then ``loss`` (``fitdp.executor.executor``).
         compile: ``torch.compile`` every executor.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype.
         distributed: also all-reduce gradients across the default process group.
         inputs_need_grad: track the inputs' gradients in training (MXNet's bind option), read
             with ``get_input_grads``.
+
+    Attributes:
+        cross_rank: sums device 0's gradient buckets across the ranks before the optimizer
+            step (None in one process): the gradient reduction strategy, bound per step.
 
     Example:
         >>> mgr = DataParallelExecutorManager(nn.Linear(4, 2), ["cpu", "cpu"],
@@ -86,17 +90,18 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         checks.check_module(module)
         self.devices = resolve_devices(devices)
         self.layout: str | None = None  # the reserved inputs' layout (see ``reserve``)
+        _check_compile(compile, self.devices)
         self.inputs_need_grad = inputs_need_grad
         check_unique_names(module)
         self.logger = logger or logging.getLogger("fitdp")
         self.loss = loss
-        self.compute = compute
+        self.compute: Compute = compute if compute is not None else ModuleLoss(loss)
         self.compile = compile
         self.autocast_dtype = autocast_dtype
         self.distributed = distributed
         self.bucket_module = bucket_module
         self.default_bucket_key = default_bucket_key
-        self.workers = DeviceWorkers(len(self.devices))
+        self.workers = DeviceWorkers(self.devices)
         self.shared_buffers: list[dict[str, tuple[torch.Tensor, tuple[int, ...]]]] = [
             {} for _ in self.devices
         ]
@@ -115,9 +120,11 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
                   for d in range(len(self.devices))]
         several = len(self.devices) > 1 or distributed
         self.flat = FlatBuckets(params) if several and params[0] else None
-        self._sharded: ShardedStep | None = None
+        self.cross_rank: Callable[[], None] | None = (
+            self.flat.reduce_global if distributed and self.flat is not None else None)
         self._init_loads(work_load_list)
-        if compute is not None:  # replicas that may meet run at once (see ``compute``)
+        self._custom = compute is not None
+        if self._custom:  # replicas that may meet run at once (see ``compute``)
             self._speed_check = None
         self.logger.debug("fitdp: data parallel on %s", self.devices)
 
@@ -160,6 +167,7 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         group = self._group_of(data_batch)
         group.load_data_batch(data_batch, self._slices_for(data_batch.batch_size))
 
+
     def _group_of(self, data_batch: DataBatch, checked: bool = False
                   ) -> DataParallelExecutorGroup:
         """The batch's bucket group, made current (its rows checked first, unless
@@ -192,11 +200,12 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         group = self.curr_execgrp
         total: int | torch.Tensor | None = total_rows
         if total is None:
-            total = sum(ex.valid for ex in group.executors)
+            total = sum(group.job.valid)
             # Only training needs the weights; a source that knows the count passes it in.
             if self.distributed and is_train and self.loss is not None:
                 total = self._global_rows(total)
-        group.forward(is_train, self.loss, total, self.autocast_dtype,
+        group.forward(is_train, self.compute, total, self.autocast_dtype,
+                      getattr(self.compute, "counts", None),
                       all_reduce if self.distributed else None)
 
     def _global_rows(self, local: int) -> int | torch.Tensor:
@@ -253,10 +262,10 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         ``labels`` defaults to the labels loaded with the batch.
         """
         checks.check_metric(metric)
-        if hasattr(metric, "clones"):
-            self.curr_execgrp.update_metric(metric, labels)
-            return
         group = self.curr_execgrp
+        if hasattr(metric, "clones"):
+            group.update_metric(metric, labels)
+            return
         for ex, sl in zip(group.executors, group.slices):
             lab = ex.labels if labels is None else take_rows(labels, sl, ex.axis)
             if ex.valid > 0:
@@ -387,10 +396,8 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
             bucket_key=key, compile=self.compile, logger=self.logger,
             inputs_need_grad=self.inputs_need_grad,
         )
-        if self.compute is not None:
+        if self._custom:
             group.stochastic = False  # never forwards in turn: see ``compute``
-            for ex in group.executors:
-                ex.compute = self.compute
         if self.monitor is not None:
             self._install(group)
         return group
@@ -413,6 +420,19 @@ class DataParallelExecutorManager(BatchRunMixin, OptimizerStepMixin):
         if slices is None:
             slices = self._slices[rows] = device_slices(rows, self.work_load_list)
         return slices
+
+
+def _check_compile(compile: bool | str, devices: Sequence[torch.device]) -> None:
+    """Refuse what cannot work: before torch 2.13, inductor's CUDA-graph state lives on the
+    thread that first used it (pytorch#123177), so ``"reduce-overhead"`` throws on the second
+    replica's thread."""
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if compile == "reduce-overhead" and len(devices) > 1 and version < (2, 13):
+        raise ValueError(
+            f"compile: got 'reduce-overhead' (CUDA graphs) with {len(devices)} devices on "
+            f"torch {torch.__version__}; expected torch 2.13 or later for CUDA graphs from "
+            f"several replica threads (pytorch#123177). Fix: upgrade torch, compile=True "
+            f"(the default mode), or one device per process under torchrun.")
 
 
 def _replica(module: nn.Module, device: torch.device, share: bool) -> nn.Module:

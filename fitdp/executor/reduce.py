@@ -1,4 +1,9 @@
-"""Gradient reduction in flat buckets: local (across this process's devices), then global."""
+"""Flat buckets of parameters and gradients, and their all-reduce across ranks.
+
+The sums across this process's devices and the copies back are the ``Update``'s
+(``fitdp.executor.update``), one range per shard; ``reduce_global`` is the manager's default
+cross-rank reduction (``manager.cross_rank``).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ class FlatBuckets:
 
     Every replica's parameters and gradients become views into a few large flat tensors
     ("buckets", grouped by dtype, about ``bucket_bytes`` each), so reducing gradients and
-    broadcasting parameters is one call per bucket, not one per parameter. Backward
+    broadcasting parameters is one call per bucket range, not one per parameter. Backward
     accumulates straight into the views (autograd adds in place into an existing ``.grad``).
 
     Args:
@@ -27,8 +32,8 @@ class FlatBuckets:
     Example:
         >>> a, b = nn.Linear(3, 2), nn.Linear(3, 2)
         >>> fb = FlatBuckets([list(a.parameters()), list(b.parameters())])
-        >>> fb.broadcast_params(); torch.equal(a.weight, b.weight)
-        True
+        >>> [len(flats) for flats in fb.grad_flat]  # one bucket per device
+        [1, 1]
     """
 
     def __init__(self, params: Sequence[Sequence[nn.Parameter]], bucket_bytes: int = BUCKET_BYTES):
@@ -66,16 +71,6 @@ class FlatBuckets:
             self.grad_flat.append(gf)
         self.grad_views = [[p.grad for p in dev_params] for dev_params in self.params]
 
-    def zero_grad(self) -> None:
-        """Zero every gradient bucket, re-binding any ``.grad`` that was replaced or cleared."""
-        for dev_params, views in zip(self.params, self.grad_views):
-            for p, v in zip(dev_params, views):
-                if p.grad is not v:
-                    p.grad = v
-        for flats in self.grad_flat:
-            for g in flats:
-                g.zero_()
-
     def zero_device(self, d: int) -> None:
         """Zero device ``d``'s gradient buckets (on its own thread, before its backward),
         re-binding first any ``.grad`` that was replaced or cleared."""
@@ -85,24 +80,9 @@ class FlatBuckets:
         for g in self.grad_flat[d]:
             g.zero_()
 
-    def reduce_local(self) -> None:
-        """Move every device's gradient buckets into device 0's: add, then zero the source,
-        so each backward is counted once however often backward and reduce are called
-        between two ``zero_grad`` (the seed's gradients accumulate the same way)."""
-        for d in range(1, len(self.grad_flat)):
-            for acc, g in zip(self.grad_flat[0], self.grad_flat[d]):
-                acc.add_(g.to(acc.device, non_blocking=True))
-                g.zero_()
-
-    def reduce_global(self, group: dist.ProcessGroup | None) -> None:
+    def reduce_global(self, group: dist.ProcessGroup | None = None) -> None:
         """All-reduce (sum) device 0's gradient buckets across the ranks of ``group``."""
         # Synchronous calls: gloo threads left holding async works can abort the interpreter
         # at exit, and with a few large buckets there is little to overlap anyway.
         for g in self.grad_flat[0]:
             dist.all_reduce(g, group=group)
-
-    def broadcast_params(self) -> None:
-        """Copy device 0's parameter buckets into every other device's."""
-        for d in range(1, len(self.param_flat)):
-            for dst, src in zip(self.param_flat[d], self.param_flat[0]):
-                dst.copy_(src, non_blocking=True)

@@ -1,15 +1,26 @@
-"""One batch in one hand-off per device (``run_batch``), and the work loads it measures.
+"""The step of a call, bound once (``BatchStep``), and the manager's entry points into it.
 
-Mixed into ``DataParallelExecutorManager`` (like ``OptimizerStepMixin``): the per-batch path
-``Model`` trains on, the fused zero/step of ``fitdp.executor.fused``, ``work_load_list="auto"``
-and the slow-replicas check of ``fitdp.executor.balance``.
+Like Keras's ``make_train_function``, ``DataParallelExecutorManager.bind_step`` builds one
+``BatchStep`` per call from what the call fixes: the devices, ranks, buckets and compile of
+the manager, the loss computation (``manager.compute``), the cross-rank gradient reduction
+(``manager.cross_rank``), and the ``Update`` (optimizer, scaler, clipping, sharded or not).
+Per batch it is told only what changes per batch: the batch, whether it zeroes the gradients
+first (the first batch of an optimizer step), whether it ends with the step, and its rows.
+It loads, runs and steps the batch in one hand-off per device, each device running the one
+per-replica routine (``fitdp.executor.job.device_share``). ``run_batch`` and ``step`` are the
+public calls into it; neither enters the Ctrl-C guard twice: ``Model`` holds it once per step
+and calls the bound step directly.
+
+Mixed into ``DataParallelExecutorManager`` with the work loads that the step measures
+(``work_load_list="auto"``, the slow-replicas check of ``fitdp.executor.balance``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,41 +29,118 @@ import torch.distributed as dist
 from fitdp.checks import FitdpWarning
 from fitdp.data.batch import DataBatch, axis_of, batch_axis
 from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck, slow_replicas_message
-from fitdp.executor.executor import Executor, LossFn
-from fitdp.executor.fused import SHARD_MIN_NUMEL, FusedUpdate
+from fitdp.executor.executor import Compute
 from fitdp.executor.interrupts import GUARD
+from fitdp.executor.job import weigh
 from fitdp.executor.reduce import FlatBuckets
 from fitdp.executor.slicing import check_work_load_arg
 from fitdp.executor.step import ShardedStep
+from fitdp.executor.update import SHARD_MIN_NUMEL, Update
+from fitdp.executor.workers import DeviceWorkers
 
 if TYPE_CHECKING:
     from fitdp.executor.group import DataParallelExecutorGroup
 
+Scale = Callable[[torch.Tensor], torch.Tensor]
 
-class BatchRunMixin:
-    """``run_batch`` and the work loads, for ``DataParallelExecutorManager`` (it reads the
-    manager's devices, groups, loss, flat buckets and slicing; see there)."""
+
+class BatchStep:
+    """One batch's step, bound once per call (see the module docstring).
+
+    Args:
+        mgr: the manager.
+        is_train: train (backward, and the update's zeroing and step) or only forward.
+        update: the training update (None: evaluation).
+        scale: multiplies each loss before backward (a ``GradScaler``'s ``scale``), or None.
+        metric: a ``DeviceMetrics`` each device updates with its slice, or None.
+    """
+
+    def __init__(self, mgr: StepMixin, is_train: bool, update: Update | None,
+                 scale: Scale | None, metric: Any) -> None:
+        self.mgr, self.is_train, self.update = mgr, is_train, update
+        self.scale, self.metric = scale, metric
+        self.compute = mgr.compute
+        self.counter = getattr(mgr.compute, "counts", None)
+        self.global_count = all_reduce if mgr.distributed else None
+        # Ranks' batches may differ in size: the rows of a step are summed over the ranks.
+        self.global_rows = mgr._global_rows if (
+            mgr.distributed and is_train and mgr.loss is not None) else None
+        self.autocast = mgr.autocast_dtype
+
+    def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
+                 total_rows: int | None = None) -> None:
+        """Load, forward, backward (training), metrics and, with ``step``, the optimizer
+        update of ``batch``; ``zero_grad``: zero the gradients first; ``total_rows``: the
+        rows the mean loss is taken over (default: this batch's, summed over the ranks)."""
+        mgr = self.mgr
+        rows, axis = checked_rows(batch)
+        group = mgr._group_of(batch, checked=True)
+        slices = mgr._slices_for(rows)
+        job = group.job
+        job.set(batch, rows, axis, slices)
+        job.is_train, job.compute, job.autocast = self.is_train, self.compute, self.autocast
+        job.scale, job.metric = self.scale, self.metric
+        local = rows - batch.pad if total_rows is None else total_rows
+        total = self.global_rows(local) if (
+            total_rows is None and self.global_rows is not None) else local
+        weigh(job, total, self.counter, self.global_count)
+        update, stepping = self.update, False
+        if update is not None:
+            update.prepare(zero_grad, step)
+            stepping = update.stepping
+            job.update = update if zero_grad or stepping else None
+        else:
+            job.update = None
+        check, balancer = mgr._speed_check, mgr.balancer
+        serial = self.is_train and check is not None and check.serial_next()
+        timed = balancer is not None or (check is not None and self.is_train)
+        sharded = stepping and not serial and update.shards > 1  # type: ignore[union-attr]
+        group.run(group.tasks if sharded else group.shares, serial, timed)
+        if stepping and not sharded:
+            update.finish_all()  # type: ignore[union-attr]
+        if check is not None and self.is_train:
+            mgr._check_speed(check, group.section_seconds(serial), serial)
+        if balancer is not None and not serial:
+            new = balancer.record([s.stop - s.start for s in slices], group.times)
+            if new is not None:
+                mgr._use_loads(new, group.times)
+
+    def step_now(self) -> None:
+        """The optimizer step alone, from the gradients of the batches run so far."""
+        assert self.update is not None  # noqa: S101 - a training step
+        self.update.step_all(self.mgr.workers.run)
+
+
+class StepMixin:
+    """The manager's step: binding it, ``run_batch``, ``step``, zeroing, reducing, and the
+    work loads (it reads the manager's devices, groups, flat buckets and slicing)."""
 
     devices: list[torch.device]
     distributed: bool
-    loss: LossFn | None
+    loss: Any
+    compute: Compute
+    cross_rank: Callable[[], None] | None
     autocast_dtype: torch.dtype | None
     flat: FlatBuckets | None
+    workers: DeviceWorkers
     logger: logging.Logger
     work_load_list: list[float]
     balancer: LoadBalancer | None
+    trainable: list[bool]
     _speed_check: SlowReplicaCheck | None
-    _fused: dict[int, FusedUpdate]
     _slices: dict[int, list[slice]]
     _reserved: list[Any]
-    _fusable: bool
     _shardable: bool
-    _masters: list[torch.nn.Parameter]
-    _one: Executor | None
-    bucket_module: Any
+    _bound: dict[tuple[Hashable, ...], BatchStep]
     execgrp: DataParallelExecutorGroup
 
     if TYPE_CHECKING:  # the manager's
+        @property
+        def param_names(self) -> list[str]: ...
+
+        @property
+        def param_arrays(self) -> list[list[torch.nn.Parameter]]: ...
+
         def _group_of(self, data_batch: DataBatch, checked: bool = False
                       ) -> DataParallelExecutorGroup: ...
 
@@ -60,35 +148,55 @@ class BatchRunMixin:
 
         def _global_rows(self, local: int) -> int | torch.Tensor: ...
 
-        def master_parameters(self) -> list[torch.nn.Parameter]: ...
-
         def reserve(self, descs: Sequence[Any]) -> None: ...
-
-        def step(self, optimizer: torch.optim.Optimizer, *,
-                 scaler: torch.amp.GradScaler | None = None,
-                 clip_norm: float | None = None) -> None: ...
 
     def _init_loads(self, work_load_list: Sequence[float] | str | None) -> None:
         self.work_load_list = [1.0] * len(self.devices)
         self.balancer = None
-        self._fused, self._slices, self._reserved = {}, {}, []
+        self._slices, self._reserved, self._bound = {}, [], {}
         self.set_work_load_list(work_load_list)
         cpu = all(d.type == "cpu" for d in self.devices)
         several = len(self.devices) > 1
         self._speed_check = SlowReplicaCheck() if cpu and several else None
-        # The optimizer step inside the batch's hand-off: one device, or CPU replicas with
-        # flat gradient buckets (a step across ranks or GPUs goes through ``step``).
-        self._fusable = not self.distributed and (not several or (cpu and self.flat is not None))
-        masters = self._masters = self.master_parameters()
-        numel = sum(p.numel() for p in masters)
-        # One CPU replica whose executor needs no context (compile, input gradients,
-        # autocast, buckets): ``_run_one``.
-        ex = self.execgrp.executors[0]
-        simple = not (ex.compiled or ex.inputs_need_grad or ex.warn_on_grow)
-        self._one = ex if (not several and cpu and not self.distributed and simple
-                           and self.autocast_dtype is None and self.bucket_module is None
-                           ) else None
-        self._shardable = several and self.flat is not None and numel >= SHARD_MIN_NUMEL
+        numel = sum(p.numel() for p in self.master_parameters())
+        # The step split over CPU replica threads: where it pays (see SHARD_MIN_NUMEL).
+        self._shardable = several and cpu and self.flat is not None and numel >= SHARD_MIN_NUMEL
+
+    def bind_step(self, is_train: bool, *, optimizer: torch.optim.Optimizer | None = None,
+                  scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
+                  scale: Scale | None = None, metric: Any = None) -> BatchStep:
+        """The step for a call's batches, from what the call fixes (made once per set of
+        arguments and kept): ``step(batch, zero_grad=, step=, total_rows=)`` trains (or,
+        not ``is_train``, evaluates) a batch; ``step.step_now()`` takes the optimizer step
+        alone. The caller holds the Ctrl-C guard (``GUARD.critical``) around a batch that
+        steps; ``run_batch`` does that for one batch.
+
+        Args:
+            is_train: train or evaluate.
+            optimizer: built on ``master_parameters()``; None: gradients only.
+            scaler: the ``GradScaler`` of a 16-mixed run, or None.
+            clip_norm: max global norm of the gradients, or None.
+            scale: multiplies each loss before backward, or None.
+            metric: a ``DeviceMetrics`` to update per device slice, or None.
+        """
+        key = (is_train, optimizer, scaler, clip_norm, scale, metric)
+        bound = self._bound.get(key)
+        if bound is None or (bound.update is not None and not bound.update.fits(optimizer)):
+            update = self._update(optimizer, scaler, clip_norm) if is_train else None
+            if len(self._bound) >= 16:  # a new loss-scale closure per call: keep a few
+                self._bound.clear()
+            bound = self._bound[key] = BatchStep(self, is_train, update, scale, metric)
+        return bound
+
+    def _update(self, optimizer: torch.optim.Optimizer | None,
+                scaler: torch.amp.GradScaler | None, clip_norm: float | None) -> Update:
+        sharded = (optimizer is not None and self._shardable and scaler is None
+                   and clip_norm is None and self.cross_rank is None
+                   and ShardedStep.supports(optimizer))
+        cpu = all(d.type == "cpu" for d in self.devices)
+        return Update(self.flat, self.master_parameters(), optimizer,
+                      len(self.devices) if sharded else 1, scaler=scaler, clip_norm=clip_norm,
+                      cross_rank=self.cross_rank, fresh_ok=cpu)
 
     def run_batch(
         self,
@@ -96,7 +204,7 @@ class BatchRunMixin:
         is_train: bool,
         *,
         total_rows: int | None = None,
-        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        scale: Scale | None = None,
         metric: Any = None,
         zero_grad: bool = False,
         optimizer: torch.optim.Optimizer | None = None,
@@ -107,7 +215,8 @@ class BatchRunMixin:
         forward (and backward when training) and updates its clone of ``metric`` (a
         ``DeviceMetrics``); the same numbers as ``load_data_batch``, ``forward``,
         ``backward(reduce=False)`` and ``update_metric`` in turn, with a thread wake-up per
-        device instead of one per call.
+        device instead of one per call. (``bind_step`` once per call does the same without
+        looking the step up per batch.)
 
         Args:
             data_batch: the batch.
@@ -117,77 +226,62 @@ class BatchRunMixin:
             metric: a ``DeviceMetrics`` to update, or None.
             zero_grad: zero the gradients first (the first batch of an optimizer step).
             optimizer: also take the optimizer step after backward, as ``step`` does with
-                ``scaler`` and ``clip_norm``; on CPU replicas (or one device) without them,
-                inside the same hand-off, each thread stepping its share of the parameters.
+                ``scaler`` and ``clip_norm`` (on CPU replicas, each thread stepping its share
+                of the parameters where that pays).
         """
-        rows, axis = checked_rows(data_batch)
-        one = self._one
-        if one is not None and scaler is None and clip_norm is None:
-            if optimizer is None:
-                self._run_one(one, data_batch, rows, axis, is_train, total_rows, scale, metric,
-                              zero_grad, None)
-            else:
-                with GUARD.critical():  # a Ctrl-C during the step is raised after it
-                    self._run_one(one, data_batch, rows, axis, is_train, total_rows, scale,
-                                  metric, zero_grad, optimizer)
-            return
-        group = self._group_of(data_batch, checked=True)
-        slices = self._slices_for(rows)
-        total: int | torch.Tensor | None = total_rows
-        if total is None:
-            total = rows - data_batch.pad
-            if self.distributed and is_train and self.loss is not None:
-                total = self._global_rows(total)
-        fused = optimizer is not None and scaler is None and clip_norm is None and (
-            self._fusable)
-        update = None
-        if is_train and (zero_grad or fused):
-            update = self._fused_update(optimizer if fused else None)
-            update.prepare(zero_grad, optimizer if fused else None)
-        check, balancer = self._speed_check, self.balancer
-        serial = is_train and check is not None and check.serial_next()
-        timed = balancer is not None or (check is not None and is_train)
-        count = all_reduce if self.distributed else None
-        if optimizer is None:  # changes no weight: nothing to guard
-            group.run(data_batch, rows, axis, slices, is_train, self.loss, total,
-                      self.autocast_dtype, scale, metric, update, count, serial, timed)
-        else:
-            with GUARD.critical():  # a Ctrl-C during the step is raised after it
-                group.run(data_batch, rows, axis, slices, is_train, self.loss, total,
-                          self.autocast_dtype, scale, metric, update, count, serial, timed)
-                if not fused:
-                    self.step(optimizer, scaler=scaler, clip_norm=clip_norm)
-        if check is not None and is_train:
-            self._check_speed(check, group.section_seconds(serial), serial)
-        if balancer is not None and not serial:
-            new = balancer.record([s.stop - s.start for s in slices], group.times)
-            if new is not None:
-                self._use_loads(new, group.times)
+        bound = self.bind_step(is_train, optimizer=optimizer, scaler=scaler,
+                               clip_norm=clip_norm, scale=scale, metric=metric)
+        guard = GUARD.critical() if optimizer is not None else _NULL
+        with guard:  # a Ctrl-C during the step is raised after it
+            bound(data_batch, zero_grad=zero_grad, step=optimizer is not None,
+                  total_rows=total_rows)
 
-    def _run_one(self, ex: Executor, batch: DataBatch, rows: int, axis: int, is_train: bool,
-                 total_rows: int | None, scale: Callable[[torch.Tensor], torch.Tensor] | None,
-                 metric: Any, zero_grad: bool, optimizer: torch.optim.Optimizer | None) -> None:
-        """``run_batch`` on one CPU replica that needs nothing but its module: the group's
-        steps, in order, without a hand-off's bookkeeping (measured on the 32-64-64-10 MLP,
-        batch 32: the step's overhead over a hand-written loop fell from 15 us to 10, of
-        about 260)."""
-        if ex.module.training is not is_train:
-            ex.module.train(is_train)
-        if is_train and zero_grad:
-            for p in self._masters:
-                p.grad = None
-        self.execgrp.slices = self._slices_for(rows)
-        valid = rows - batch.pad
-        ex.load(batch.data, batch.label, valid, batch.sample_weight, axis)
-        total = valid if total_rows is None else total_rows
-        ex.forward(is_train, self.loss, valid / float(max(total, 1)), None, None)
-        if is_train:
-            ex.backward(scale)
-        if metric is not None and valid > 0:
-            metric.update(0, ex.valid_rows(ex.outputs), ex.valid_rows(ex.labels),
-                          ex.valid_rows(ex.weights))
-        if optimizer is not None:
-            optimizer.step()
+    def step(self, optimizer: torch.optim.Optimizer, *,
+             scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None
+             ) -> None:
+        """One optimizer step on every replica, from the gradients of the last backward(s).
+
+        The whole sequence, in order: reduce the gradients into device 0 (and across ranks);
+        unscale them (``scaler``, 16-mixed); clip their global norm to ``clip_norm``; step
+        ``optimizer`` on device 0's parameters (with several CPU replicas, split over the
+        device threads where that pays: bit for bit the same update); copy device 0's
+        parameters to every other device. A Ctrl-C during the sequence is raised after it,
+        never between an update and its broadcast.
+
+        Args:
+            optimizer: built on ``named_master_parameters()`` (or ``master_parameters()``).
+            scaler: the ``GradScaler`` of a 16-mixed run, or None.
+            clip_norm: max global norm of the gradients, or None.
+        """
+        with GUARD.critical():
+            self.bind_step(True, optimizer=optimizer, scaler=scaler,
+                           clip_norm=clip_norm).step_now()
+
+    def _gradients(self) -> Update:
+        """The update without an optimizer: zeroing, reducing and broadcasting alone."""
+        return self.bind_step(True).update  # type: ignore[return-value]
+
+    def zero_grad(self) -> None:
+        """Zero the gradients on every device."""
+        update = self._gradients()
+        for d in range(len(self.devices)):
+            update.zero_device(d)
+
+    def reduce_gradients(self) -> None:
+        """Sum every device's gradients into device 0's (then across ranks)."""
+        self._gradients().reduce_shard(0)
+
+    def sync_params(self) -> None:
+        """After an optimizer step on device 0, copy its parameters to every other device."""
+        self._gradients().broadcast_shard(0)
+
+    def named_master_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Device 0's parameters by name, frozen ones too: bind the optimizer to these."""
+        return {name: block[0] for name, block in zip(self.param_names, self.param_arrays)}
+
+    def master_parameters(self) -> list[torch.nn.Parameter]:
+        """Device 0's trainable parameters: the ones the optimizer steps."""
+        return [block[0] for block, on in zip(self.param_arrays, self.trainable) if on]
 
     def set_work_load_list(self, work_load_list: Sequence[float] | str | None) -> None:
         """Each device's share of a batch from now on: a list (see ``split_input_slice``),
@@ -226,16 +320,6 @@ class BatchRunMixin:
             warnings.warn(slow_replicas_message(len(self.devices), *verdict), FitdpWarning,
                           stacklevel=7)
 
-    def _fused_update(self, optimizer: torch.optim.Optimizer | None) -> FusedUpdate:
-        """The update for this batch: split over the threads when that pays (see
-        ``SHARD_MIN_NUMEL``) and ``optimizer`` steps each parameter on its own."""
-        shards = len(self.devices) if (optimizer is not None and self._shardable
-                                       and ShardedStep.supports(optimizer)) else 1
-        update = self._fused.get(shards)
-        if update is None:
-            update = self._fused[shards] = FusedUpdate(self.flat, self.master_parameters(), shards)
-        return update
-
 
 def checked_rows(batch: DataBatch) -> tuple[int, int]:
     """The batch's rows and batch axis, after ``DataBatch.check_rows`` (a batch of one data
@@ -249,6 +333,9 @@ def checked_rows(batch: DataBatch) -> tuple[int, int]:
             return rows, axis
     batch.check_rows()  # the message, or a batch of trees
     return batch.batch_size, axis
+
+
+_NULL = contextlib.nullcontext()  # reusable: entering it has no state
 
 
 def all_reduce(value: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,12 @@
-"""The optimizer step of the data-parallel layer: reduce, unscale, clip, step, broadcast.
-
-``DataParallelExecutorManager.step`` (from ``OptimizerStepMixin``) runs it; with several CPU
-replicas the optimizer's own ``step`` is split over the device threads (``ShardedStep``).
-"""
+"""The optimizer's own ``step`` split into shards of its parameters, one per CPU replica
+thread (``ShardedStep``); ``fitdp.executor.update.Update`` runs one shard per thread."""
 
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
-
-from fitdp.executor.interrupts import GUARD
-from fitdp.executor.reduce import FlatBuckets
-from fitdp.executor.workers import DeviceWorkers
 
 # Optimizers whose update of a parameter reads only that parameter's gradient and state, so
 # stepping disjoint subsets of the parameters gives exactly the full step.
@@ -35,8 +26,7 @@ class ShardedStep:
 
     Args:
         optimizer: one of ``SHARDABLE``.
-        workers: the device threads (``step`` runs shard s on thread s).
-        shards: how many shards.
+        shards: how many shards (``step_shard(s)`` steps shard s, on any thread).
         owner: ``id(parameter) -> shard`` (default: largest parameters first, each to the
             lightest shard); parameters it does not name go to shard 0.
 
@@ -47,12 +37,10 @@ class ShardedStep:
         True
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, workers: DeviceWorkers | None,
-                 shards: int, owner: Mapping[int, int] | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, shards: int,
+                 owner: Mapping[int, int] | None = None) -> None:
         self.optimizer = optimizer
-        self.workers = workers
         self.shards = shards
-        self.size = _param_count(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if owner is None:
             loads = [0] * shards
@@ -73,10 +61,6 @@ class ShardedStep:
     @staticmethod
     def supports(optimizer: torch.optim.Optimizer) -> bool:
         return type(optimizer) in SHARDABLE
-
-    def fits(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether this plan still describes ``optimizer`` (same object, same parameters)."""
-        return optimizer is self.optimizer and _param_count(optimizer) == self.size
 
     def view(self, shard: int) -> torch.optim.Optimizer:
         """The optimizer as shard ``shard`` sees it: its parameters only, everything else the
@@ -99,109 +83,7 @@ class ShardedStep:
         # What a scheduler's patched ``opt.step`` records, so it does not warn of a skipped step.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
-    def step(self) -> None:
-        """Every shard at once, shard s on device thread s."""
-        assert self.workers is not None  # noqa: S101 - built with workers for this use
-        self.workers.run([functools.partial(self.step_shard, s) for s in range(self.shards)])
 
-
-def _param_count(optimizer: torch.optim.Optimizer) -> int:
+def param_count(optimizer: torch.optim.Optimizer) -> int:
+    """How many parameters ``optimizer`` steps (a changed count: a new plan)."""
     return sum(len(g["params"]) for g in optimizer.param_groups)
-
-
-
-class OptimizerStepMixin:
-    """The manager's optimizer step: gradients of the trainable parameters and one update.
-
-    Mixed into ``DataParallelExecutorManager`` (kept here to keep one file per job); it reads
-    the manager's ``devices``, ``workers``, ``distributed``, ``flat`` (the gradient buckets),
-    ``param_names``, ``param_arrays`` and ``trainable``.
-    """
-
-    devices: list[torch.device]
-    workers: DeviceWorkers
-    distributed: bool
-    flat: FlatBuckets | None
-    trainable: list[bool]
-    _sharded: ShardedStep | None
-
-    if TYPE_CHECKING:  # the manager's properties
-        @property
-        def param_names(self) -> list[str]: ...
-
-        @property
-        def param_arrays(self) -> list[list[torch.nn.Parameter]]: ...
-
-    def named_master_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """Device 0's parameters by name, frozen ones too: bind the optimizer to these."""
-        return {name: block[0] for name, block in zip(self.param_names, self.param_arrays)}
-
-    def master_parameters(self) -> list[torch.nn.Parameter]:
-        """Device 0's trainable parameters: the ones the optimizer steps."""
-        return [block[0] for block, on in zip(self.param_arrays, self.trainable) if on]
-
-    def zero_grad(self) -> None:
-        """Zero the gradients on every device."""
-        if self.flat is not None:
-            self.flat.zero_grad()
-        else:
-            for p in self.master_parameters():
-                p.grad = None
-
-    def reduce_gradients(self) -> None:
-        """Sum every device's gradients into device 0's (then across ranks)."""
-        if self.flat is not None:
-            self.flat.reduce_local()
-            if self.distributed:
-                self.flat.reduce_global(None)
-
-    def sync_params(self) -> None:
-        """After an optimizer step on device 0, copy its parameters to every other device."""
-        if self.flat is not None:
-            self.flat.broadcast_params()
-
-    def step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        scaler: torch.amp.GradScaler | None = None,
-        clip_norm: float | None = None,
-    ) -> None:
-        """One optimizer step on every replica, from the gradients of the last backward(s).
-
-        The whole sequence, in order: reduce the gradients into device 0 (and across ranks);
-        unscale them (``scaler``, 16-mixed); clip their global norm to ``clip_norm``; step
-        ``optimizer`` on device 0's parameters (with several CPU replicas, split over the
-        device threads: bit for bit the same update); copy device 0's parameters to every
-        other device. A Ctrl-C during the sequence is raised after it, never between an
-        update and its broadcast.
-
-        Args:
-            optimizer: built on ``named_master_parameters()`` (or ``master_parameters()``).
-            scaler: the ``GradScaler`` of a 16-mixed run, or None.
-            clip_norm: max global norm of the gradients, or None.
-        """
-        with GUARD.critical():
-            self.reduce_gradients()
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            if clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.master_parameters(), clip_norm)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            elif (sharded := self._sharded_step(optimizer)) is not None:
-                sharded.step()
-            else:
-                optimizer.step()
-            self.sync_params()
-
-    def _sharded_step(self, optimizer: torch.optim.Optimizer) -> ShardedStep | None:
-        """The step split over the threads of several CPU replicas (None otherwise)."""
-        if len(self.devices) < 2 or any(d.type != "cpu" for d in self.devices):
-            return None
-        if self._sharded is None or not self._sharded.fits(optimizer):
-            if not ShardedStep.supports(optimizer):
-                return None
-            self._sharded = ShardedStep(optimizer, self.workers, len(self.devices))
-        return self._sharded

@@ -1,11 +1,22 @@
-"""One worker thread per device, so replicas run at once (PyTorch ops release the GIL)."""
+"""One worker thread per device, so replicas run at once (PyTorch ops release the GIL).
+
+The current CUDA device, the current stream and the autocast state are per thread: a worker
+enters its device, the caller's current stream on that device and the caller's autocast
+state for each task, as ``torch/nn/parallel/parallel_apply.py`` does, so code that reads the
+current device or stream (``device="cuda"`` in a module, ``torch.cuda.current_stream()``)
+lands on the replica's device and is ordered against the caller's stream.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import torch
 
 _STOP = object()  # a worker's task that ends its thread
 
@@ -38,6 +49,9 @@ class DeviceWorkers:
     step would cost more than a small model's whole step. They stop on ``close()`` or when
     this object is garbage-collected (the threads hold only their slots, never this object).
 
+    Args:
+        devices: the devices (or how many CPU devices); task d runs with device d current.
+
     Example:
         >>> w = DeviceWorkers(2)
         >>> w.run([lambda: 1, lambda: 2])
@@ -45,7 +59,12 @@ class DeviceWorkers:
         >>> w.close()
     """
 
-    def __init__(self, num_devices: int) -> None:
+    def __init__(self, devices: int | Sequence[torch.device]) -> None:
+        if isinstance(devices, int):
+            devices = [torch.device("cpu")] * devices
+        self.devices = list(devices)
+        num_devices = len(self.devices)
+        self._cuda = any(d.type == "cuda" for d in self.devices)
         self._slots: list[_Slot] = []
         self._threads: list[threading.Thread] = []
         for d in range(1, num_devices):
@@ -70,6 +89,9 @@ class DeviceWorkers:
         that arrives while waiting is raised only once every worker is done, so no worker is
         ever left running on state the caller is about to roll back.
         """
+        if len(tasks) == 1 and not self._cuda:
+            return [tasks[0]()]  # on the caller, in its own context already
+        tasks = self._in_context(tasks)
         if len(tasks) == 1:
             return [tasks[0]()]
         slots = self._slots
@@ -100,10 +122,42 @@ class DeviceWorkers:
                 raise error
         return results
 
+    def _in_context(self, tasks: Sequence[Callable[[], Any]]) -> Sequence[Callable[[], Any]]:
+        """``tasks``, each entering its device, stream and the caller's autocast state where
+        there is one to carry (CPU without autocast: the tasks as they are, no cost)."""
+        cpu_autocast = torch.is_autocast_enabled("cpu")
+        if not (self._cuda or cpu_autocast):
+            return tasks
+        cuda_autocast = self._cuda and torch.is_autocast_enabled("cuda")
+        states = {kind: torch.get_autocast_dtype(kind) for kind, on in
+                  (("cpu", cpu_autocast), ("cuda", cuda_autocast)) if on}
+        streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None
+                   for d in self.devices]
+        return [functools.partial(_entered, task, self.devices[d], streams[d], states)
+                for d, task in enumerate(tasks)]
+
     def close(self) -> None:
         """Stop the worker threads and wait for them (idempotent)."""
         if self._finalizer.detach() is not None:
             _stop(self._slots, self._threads)
+
+
+def _entered(task: Callable[[], Any], device: torch.device, stream: Any,
+             autocast: dict[str, torch.dtype]) -> Any:
+    with _context(device, stream, autocast):
+        return task()
+
+
+@contextlib.contextmanager
+def _context(device: torch.device, stream: Any, autocast: dict[str, torch.dtype]
+             ) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        if stream is not None:
+            stack.enter_context(torch.cuda.device(device))
+            stack.enter_context(torch.cuda.stream(stream))
+        for kind, dtype in autocast.items():
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+        yield
 
 
 def _stop(slots: list[_Slot], threads: list[threading.Thread], timeout: float = 10.0) -> None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-MODULES = ["balance", "executor", "fused", "group", "interrupts", "job", "manager", "reduce",
-           "slicing", "step", "workers"]
+MODULES = ["balance", "executor", "group", "interrupts", "job", "manager", "reduce",
+           "slicing", "step", "update", "workers"]
 
 
 @pytest.mark.parametrize("name", MODULES)

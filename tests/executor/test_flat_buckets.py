@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fitdp.executor.reduce import FlatBuckets
+from fitdp.executor.update import Update
 
 
 def replicas(n: int = 3) -> list[nn.Module]:
@@ -38,14 +39,15 @@ def test_reduce_sums_every_device_once_and_broadcast_copies_device_0():
         m(x[2 * d:2 * d + 2]).sum().backward()  # autograd adds into the bucket views
         for e, p in zip(expected, m.parameters()):
             e += p.grad
-    fb.reduce_local()
-    fb.reduce_local()  # a second reduce adds nothing: the sources were zeroed
+    update = Update(fb, list(mods[0].parameters()), None)
+    update.reduce_shard(0)
+    update.reduce_shard(0)  # a second reduce adds nothing: the sources were zeroed
     for e, p in zip(expected, mods[0].parameters()):
         torch.testing.assert_close(p.grad, e)
     with torch.no_grad():
         for p in mods[0].parameters():
             p.add_(1.0)
-    fb.broadcast_params()
+    update.broadcast_shard(0)
     for m in mods[1:]:
         for a, b in zip(m.parameters(), mods[0].parameters()):
             assert torch.equal(a, b)
@@ -56,5 +58,5 @@ def test_zero_grad_rebinds_a_replaced_gradient():
     fb = FlatBuckets([list(m.parameters()) for m in mods])
     first = next(mods[0].parameters())
     first.grad = torch.ones_like(first)  # e.g. a user's hook replaced it
-    fb.zero_grad()
+    Update(fb, list(mods[0].parameters()), None).zero_device(0)
     assert first.grad.data_ptr() == fb.grad_views[0][0].data_ptr() and not first.grad.any()

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-import fitdp.executor.fused as fused
 from fitdp.compiled.losses import Objective
 from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
@@ -113,23 +112,29 @@ def test_dropout_replicas_draw_in_device_order_and_reproduce():
             assert torch.equal(x, y)
 
 
+class Serial:
+    """A slow-replicas probe that asks for every share on the caller's thread."""
+
+    done = False
+
+    def serial_next(self) -> bool:
+        return True
+
+    def record(self, serial: bool, seconds: float) -> None:
+        self.seconds = seconds
+
+
 def test_serial_shares_give_the_same_numbers():
     a, b = managers(["cpu", "cpu"], [1.0, 2.0])
+    b._shardable = True  # the sharded step, run on this thread after serial shares
     opts = [torch.optim.Adam(m.master_parameters(), lr=0.01) for m in (a, b)]
+    probe = b._speed_check = Serial()
     for batch in batches(3, ignored=True):
         a.run_batch(batch, True, zero_grad=True, optimizer=opts[0])
-        group = b.execgrp  # what the slow-replicas probe runs: every share on this thread
-        group.run(batch, batch.batch_size, 0, b._slices_for(batch.batch_size), True, b.loss,
-                  batch.batch_size, None, update=_update(b, opts[1]), serial=True, timed=True)
-        assert group.section_seconds(serial=True) == pytest.approx(sum(group.times))
+        b.run_batch(batch, True, zero_grad=True, optimizer=opts[1])
+        assert probe.seconds == pytest.approx(sum(b.execgrp.times))
     for x, y in zip(weights(a), weights(b)):
         assert torch.equal(x, y)
-
-
-def _update(mgr: DataParallelExecutorManager, opt: torch.optim.Optimizer) -> fused.FusedUpdate:
-    update = mgr._fused_update(opt)
-    update.prepare(True, opt)
-    return update
 
 
 class FailsOnDevice1(nn.Module):
