@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -16,11 +15,11 @@ from fitdp.data.batch import DataBatch, axis_of, take_rows, tree_map
 from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.devices import DevicesArg, resolve_devices
-from fitdp.executor.executor import Compute, LossFn, ModuleLoss
+from fitdp.executor.executor import Compute, LossFn, ModuleLoss, check_compile
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.reduce import FlatBuckets
 from fitdp.executor.running import StepMixin, all_reduce
-from fitdp.executor.sharing import bucket_replicas, check_unique_names
+from fitdp.executor.sharing import bucket_replicas, check_unique_names, hashable, replica
 from fitdp.executor.slicing import device_slices
 from fitdp.executor.workers import DeviceWorkers
 
@@ -90,7 +89,7 @@ class DataParallelExecutorManager(StepMixin):
         checks.check_module(module)
         self.devices = resolve_devices(devices)
         self.layout: str | None = None  # the reserved inputs' layout (see ``reserve``)
-        _check_compile(compile, self.devices)
+        check_compile(compile, self.devices)
         self.inputs_need_grad = inputs_need_grad
         check_unique_names(module)
         self.logger = logger or logging.getLogger("fitdp")
@@ -109,7 +108,7 @@ class DataParallelExecutorManager(StepMixin):
         # One device: the module itself is the replica (no copy, no sync). Several: every
         # replica is a copy, so averaging into the host never disturbs a replica.
         single = len(self.devices) == 1
-        replicas = [_replica(module, d, share=single) for d in self.devices]
+        replicas = [replica(module, d, share=single) for d in self.devices]
         self.execgrp = self._group(replicas, default_bucket_key)
         self.groups: dict[Hashable, DataParallelExecutorGroup] = {default_bucket_key: self.execgrp}
         self.curr_execgrp = self.execgrp
@@ -282,7 +281,7 @@ class DataParallelExecutorManager(StepMixin):
         if self.bucket_module is None:
             return
         for key in keys:
-            if not (_hashable(key) and key in self.groups):
+            if not (hashable(key) and key in self.groups):
                 self._bucket_group(key)
 
     def install_monitor(self, monitor: Any) -> None:
@@ -420,32 +419,3 @@ class DataParallelExecutorManager(StepMixin):
         if slices is None:
             slices = self._slices[rows] = device_slices(rows, self.work_load_list)
         return slices
-
-
-def _check_compile(compile: bool | str, devices: Sequence[torch.device]) -> None:
-    """Refuse what cannot work: before torch 2.13, inductor's CUDA-graph state lives on the
-    thread that first used it (pytorch#123177), so ``"reduce-overhead"`` throws on the second
-    replica's thread."""
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    if compile == "reduce-overhead" and len(devices) > 1 and version < (2, 13):
-        raise ValueError(
-            f"compile: got 'reduce-overhead' (CUDA graphs) with {len(devices)} devices on "
-            f"torch {torch.__version__}; expected torch 2.13 or later for CUDA graphs from "
-            f"several replica threads (pytorch#123177). Fix: upgrade torch, compile=True "
-            f"(the default mode), or one device per process under torchrun.")
-
-
-def _replica(module: nn.Module, device: torch.device, share: bool) -> nn.Module:
-    """``module`` itself when ``share`` and it already lives on ``device``, else a copy."""
-    tensors = [*module.parameters(), *module.buffers()]
-    if share and all(t.device == device for t in tensors):
-        return module
-    return copy.deepcopy(module).to(device)
-
-
-def _hashable(key: Any) -> bool:
-    try:
-        hash(key)
-    except TypeError:
-        return False
-    return True

@@ -1,4 +1,4 @@
-"""Name checks and parameter sharing between a bucket's module and the default bucket's."""
+"""Name checks, replica copies, and parameter sharing between a bucket's module and the default bucket's."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import copy
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, cast
 
+import torch
 from torch import nn
 
 
@@ -98,3 +99,20 @@ def bucket_replicas(bucket_module: Callable[[Any], nn.Module] | None, key: Hasha
         share_by_name(m, base, key)
         modules.append(m)
     return modules
+
+
+def replica(module: nn.Module, device: torch.device, share: bool) -> nn.Module:
+    """``module`` itself when ``share`` and it already lives on ``device``, else a copy."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if share and all(t.device == device for t in tensors):
+        return module
+    return copy.deepcopy(module).to(device)
+
+
+def hashable(key: Any) -> bool:
+    """Whether ``key`` can key a dict (a bucket key)."""
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
