@@ -1,4 +1,5 @@
-"""Name checks, replica copies, and parameter sharing between a bucket's module and the default bucket's."""
+"""Name checks, replica copies, and parameter sharing between a bucket's module and the
+default bucket's."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import fitdp
+from fitdp.call.ranks import Ranks
 from fitdp.call.replicas import Placement, Replicas
 from fitdp.compiled.losses import Objective
 from fitdp.data.batch import DataBatch
@@ -210,6 +211,6 @@ def test_sync_batchnorm_with_several_devices_per_rank_is_refused():
     model = fitdp.Model(nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)))
     model.compile(optimizer="sgd", loss="mse", sync_batchnorm=True)
     placement = Placement(devices=(torch.device("cpu"),) * 2, work_load_list=(1.0, 1.0),
-                          distributed=True)
+                          ranks=Ranks(rank=0, world_size=2))  # read only: nothing joined
     with pytest.raises(ValueError, match="sync_batchnorm=True.*one device per rank"):
         Replicas(model.module, None, placement, model._trainer)
