@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.data.batch import DataBatch
+from fitdp.data.batch import DataBatch, axis_of
 from fitdp.executor.executor import Compute, Executor
 from fitdp.executor.job import (
     Count,
@@ -231,6 +231,18 @@ class DataParallelExecutorGroup:
                 "the bucket taking the largest input for better memory sharing.",
                 name, shape, allocated,
             )
+
+    def input_grads(self, merge: bool) -> list[Any]:
+        """Each input's gradient (see ``manager.get_input_grads``): devices joined along the
+        batch axis on device 0 (``merge``), else a list of each device's slice."""
+        per_device = [ex.input_grads() for ex in self.executors if ex.valid > 0]
+        columns = [list(col) for col in zip(*per_device)]
+        if not merge:
+            return columns
+        axis, dev = self.executors[0].axis, self.executors[0].device
+        return [None if any(g is None for g in col) else
+                torch.cat([g.to(dev) for g in col], dim=axis_of(col[0], axis))
+                for col in columns]
 
     def outputs(self) -> list[Any]:
         """Each device's outputs, padding rows removed."""

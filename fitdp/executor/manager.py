@@ -8,10 +8,9 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fitdp.data.batch import DataBatch, axis_of, take_rows, tree_map
+from fitdp.data.batch import DataBatch, take_rows, tree_map
 from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.devices import DevicesArg, resolve_devices
@@ -207,16 +206,6 @@ class DataParallelExecutorManager(StepMixin):
                       getattr(self.compute, "counts", None),
                       all_reduce if self.distributed else None)
 
-    def _global_rows(self, local: int) -> int | torch.Tensor:
-        """This step's rows summed over ranks (ranks' batches may differ in size)."""
-        on_cpu = self.devices[0].type == "cpu"
-        # torch.full fills on the device from a kernel argument; torch.tensor([local],
-        # device=...) would build it on the host and copy it over, blocking, every step.
-        total = torch.full((1,), float(local), device=self.devices[0])
-        dist.all_reduce(total)
-        # On CUDA the weight stays a device tensor: no host sync per step.
-        return int(total.item()) if on_cpu else total
-
     def backward(
         self, *, reduce: bool = True, scale: Callable[[torch.Tensor], torch.Tensor] | None = None
     ) -> None:
@@ -244,14 +233,7 @@ class DataParallelExecutorManager(StepMixin):
             raise RuntimeError("get_input_grads: no input gradients; build the manager with "
                                "inputs_need_grad=True and run forward(is_train=True) and "
                                "backward() first")
-        per_device = [ex.input_grads() for ex in group.executors if ex.valid > 0]
-        columns = [list(col) for col in zip(*per_device)]
-        if not merge_multi_context:
-            return columns
-        axis, dev = group.executors[0].axis, self.devices[0]
-        return [None if any(g is None for g in col) else
-                torch.cat([g.to(dev) for g in col], dim=axis_of(col[0], axis))
-                for col in columns]
+        return group.input_grads(merge_multi_context)
 
     def update_metric(self, metric: Any, labels: Any = None) -> None:
         """Update ``metric`` per device slice.

@@ -146,8 +146,6 @@ class StepMixin:
 
         def _slices_for(self, rows: int) -> list[slice]: ...
 
-        def _global_rows(self, local: int) -> int | torch.Tensor: ...
-
         def reserve(self, descs: Sequence[Any]) -> None: ...
 
     def _init_loads(self, work_load_list: Sequence[float] | str | None) -> None:
@@ -274,6 +272,16 @@ class StepMixin:
     def sync_params(self) -> None:
         """After an optimizer step on device 0, copy its parameters to every other device."""
         self._gradients().broadcast_shard(0)
+
+    def _global_rows(self, local: int) -> int | torch.Tensor:
+        """This step's rows summed over ranks (ranks' batches may differ in size)."""
+        on_cpu = self.devices[0].type == "cpu"
+        # torch.full fills on the device from a kernel argument; torch.tensor([local],
+        # device=...) would build it on the host and copy it over, blocking, every step.
+        total = torch.full((1,), float(local), device=self.devices[0])
+        dist.all_reduce(total)
+        # On CUDA the weight stays a device tensor: no host sync per step.
+        return int(total.item()) if on_cpu else total
 
     def named_master_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Device 0's parameters by name, frozen ones too: bind the optimizer to these."""
