@@ -48,17 +48,13 @@ class DataParallelExecutorManager(StepMixin):
         compute: ``compute(executor, training) -> (loss, outputs)``, a custom step run in
             place of forward and ``loss`` on every slice (``fitdp.call.custom_step``). Its
             replicas always run at once, never one after another: they may meet in
-            ``fitdp.all_gather`` (so dropout on CPU replicas draws in thread order).
-            Default: ``ModuleLoss(loss)``, forward then ``loss`` (``fitdp.executor.executor``).
+            ``fitdp.all_gather`` (so dropout on CPU replicas draws in thread order). Default:
+            ``ModuleLoss(loss)``.
         compile: ``torch.compile`` every executor.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype.
         distributed: also all-reduce gradients across the default process group.
         inputs_need_grad: track the inputs' gradients in training (MXNet's bind option), read
             with ``get_input_grads``.
-
-    Attributes:
-        cross_rank: sums device 0's gradient buckets across the ranks before the optimizer
-            step (None in one process): the gradient reduction strategy, bound per step.
 
     Example:
         >>> mgr = DataParallelExecutorManager(nn.Linear(4, 2), ["cpu", "cpu"],
@@ -94,6 +90,7 @@ class DataParallelExecutorManager(StepMixin):
         self.logger = logger or logging.getLogger("fitdp")
         self.loss = loss
         self.compute: Compute = compute if compute is not None else ModuleLoss(loss)
+        self._custom = compute is not None
         self.compile = compile
         self.autocast_dtype = autocast_dtype
         self.distributed = distributed
@@ -118,10 +115,10 @@ class DataParallelExecutorManager(StepMixin):
                   for d in range(len(self.devices))]
         several = len(self.devices) > 1 or distributed
         self.flat = FlatBuckets(params) if several and params[0] else None
+        # The cross-rank gradient sum, bound into each step's ``Update`` (None: one process).
         self.cross_rank: Callable[[], None] | None = (
             self.flat.reduce_global if distributed and self.flat is not None else None)
         self._init_loads(work_load_list)
-        self._custom = compute is not None
         if self._custom:  # replicas that may meet run at once (see ``compute``)
             self._speed_check = None
         self.logger.debug("fitdp: data parallel on %s", self.devices)
