@@ -6,7 +6,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
+from fitdp.checks import fail
 from fitdp.data.batch import DataBatch, tree_structure
 from fitdp.data.sources.convert import as_tensors
 from fitdp.data.sources.protocol import SourcePlan
@@ -43,6 +45,14 @@ class LoaderSource:
     iterator (a generator: ``iter(g) is g``) cannot: every epoch takes the next batches from
     it, which is how an endless generator trains with ``steps_per_epoch`` (Keras semantics).
 
+    A DataLoader over an ``IterableDataset`` (a stream) makes one pass of it per epoch (the
+    dataset's ``set_epoch(epoch)`` is called when it has one). Resuming mid-epoch needs the
+    stream to say its position: a dataset with ``state_dict()`` (plain values) and
+    ``load_state_dict(state)`` (the next ``iter()`` continues from there), read in this
+    process (``num_workers=0``: with workers the position lives in their processes). Without
+    that, a mid-epoch resume is a ValueError naming ``resume``, rather than replaying a
+    stream that may not replay; a resume from an epoch's end needs nothing.
+
     Example:
         >>> src = LoaderSource([(torch.zeros(2, 3), torch.zeros(2))])
         >>> [b.batch_size for b in src]
@@ -58,6 +68,10 @@ class LoaderSource:
         self.position = 0  # batches consumed: in this epoch, or in all (one-shot)
         self.epoch_rng: torch.Tensor | None = None
         self._live: Iterator[Any] | None = None
+        dataset = getattr(loader, "dataset", None)
+        # the user's stream, duck-typed: set_epoch, state_dict, load_state_dict when it has them
+        self.stream: Any = dataset if isinstance(dataset, IterableDataset) else None
+        self._stream_state: Any = None  # where a resumed stream continues
 
     @property
     def num_batches(self) -> int | None:
@@ -79,6 +93,8 @@ class LoaderSource:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         self.epoch = epoch
+        if callable(getattr(self.stream, "set_epoch", None)):
+            self.stream.set_epoch(epoch)
         if not self.one_shot:
             self.position, self._live = 0, None
 
@@ -98,11 +114,39 @@ class LoaderSource:
         if self.position > 0 and self.epoch_rng is not None:
             torch.set_rng_state(self.epoch_rng)
         self.epoch_rng = torch.get_rng_state()
+        skip = self.position
+        if self.stream is not None and skip:
+            self._continue_stream()  # the stream itself continues: nothing to skip
+            skip = 0
         batches = iter(self.loader)
         torch.set_rng_state(now)
-        for _ in range(self.position):
+        for _ in range(skip):
             next(batches, None)  # trained before the stop
         return batches
+
+    def _stateful(self) -> bool:
+        """The stream can say its position, in this process."""
+        return (callable(getattr(self.stream, "state_dict", None))
+                and callable(getattr(self.stream, "load_state_dict", None))
+                and not getattr(self.loader, "num_workers", 0))
+
+    def _continue_stream(self) -> None:
+        """Put the stream where the batches consumed so far leave it, or refuse."""
+        name = type(self.stream).__name__
+        if self._stream_state is None:
+            why = (f"with num_workers={getattr(self.loader, 'num_workers', 0)} its position "
+                   f"lives in the worker processes" if callable(
+                       getattr(self.stream, "state_dict", None)) else
+                   "it has no state_dict()/load_state_dict()")
+            fail("resume", f"a checkpoint taken mid-epoch ({self.position} batches into epoch "
+                 f"{self.epoch}) of a DataLoader over {name}, an IterableDataset that cannot "
+                 f"say its position ({why})",
+                 "a stream that can continue where it stopped, or a checkpoint from an "
+                 "epoch's end", f"give {name} state_dict() -> plain values and "
+                 "load_state_dict(state) (the next iter() continues from there) and use "
+                 "num_workers=0, or resume from a checkpoint saved at an epoch's end "
+                 "(save_freq='epoch')", described=True)
+        self.stream.load_state_dict(self._stream_state)
 
     def _to_batch(self, item: Any) -> DataBatch:
         i = self.position - 1
@@ -136,9 +180,13 @@ class LoaderSource:
         return DataBatch(x, y, sample_weight=w)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "rng": self.epoch_rng}
+        state = {"epoch": self.epoch, "position": self.position, "rng": self.epoch_rng}
+        if self.stream is not None:  # read after every optimizer step
+            state["stream"] = self.stream.state_dict() if self._stateful() else None
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.epoch_rng = state.get("rng")
+        self._stream_state = state.get("stream")
         self._live = None

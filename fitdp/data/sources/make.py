@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from fitdp.checks import check_number, fail
 from fitdp.data.batch import DataBatch, batch_length
@@ -43,7 +43,9 @@ def make_source(
             with the ``DataSource`` interface (e.g. a ``BucketIterator``).
         y: targets for in-memory ``x``.
         sample_weight: per-sample loss weights for in-memory ``x``.
-        batch_size, shuffle, seed: batching of in-memory data and Datasets.
+        batch_size, shuffle, seed: batching of in-memory data and Datasets (an
+            ``IterableDataset`` is batched by ``batch_size`` in its own order: shuffle and
+            seed are its own business, as in Keras for generators).
         has_labels: False for predict (targets are not needed).
         labels_optional: in-memory ``x`` may come without ``y`` (a model with its own
             step); an ``(x, y)`` tuple is still read as inputs and targets.
@@ -89,6 +91,9 @@ def _batch_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: 
                  f"{'targets' if arg == 'y' else 'weights'}", described=True)
     if is_source(x):
         return x  # a source already, e.g. a BucketIterator
+    if isinstance(x, IterableDataset):  # a stream: batched in its own order (no sampler)
+        return LoaderSource(DataLoader(x, batch_size=batch_size, pin_memory=pin_memory),
+                            has_labels=has_labels)
     if isinstance(x, Dataset) and not isinstance(x, DataLoader):
         n = _maybe_len(x)
         if n == 0:
