@@ -14,6 +14,7 @@ from torch import nn
 
 import fitdp
 from fitdp.callbacks import BackupAndRestore, Callback, ModelCheckpoint
+from fitdp.checks import FitdpWarning
 
 G = torch.Generator().manual_seed(0)
 X, Y = torch.randn(50, 6, generator=G), torch.randint(0, 3, (50,), generator=G)
@@ -187,3 +188,31 @@ def test_load_before_first_fit_keeps_optimizer_state(tmp_path):
     fresh.load(tmp_path / "m.ckpt")
     fresh.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, devices=["cpu"])
     assert fresh.optimizer.state_dict()["state"][0]["step"] == 21 + 7
+
+
+@pytest.mark.parametrize("size,again,steps", [(4, 0, 3 + 7 + 2 * 13), (5, 4, 3 + 6 + 2 * 10)])
+def test_resume_with_another_batch_size_warns_naming_both(tmp_path, size, again, steps):
+    """Regression (issue 17 item 17): resuming with another batch_size continued silently
+    from a batch position that no longer lined up with the samples trained. It continues
+    after the samples already trained (rounded down to a whole new batch) and warns, naming
+    both sizes and how many samples train again."""
+    path = str(tmp_path / "c-{step:03d}.ckpt")
+    model = make()
+    with pytest.raises(KeyboardInterrupt):
+        run(model, [ModelCheckpoint(path, save_freq=1, monitor="loss"), Crash(3)])
+    resumed = make()
+    with pytest.warns(FitdpWarning, match=rf"3 batches into epoch 0 with batch_size=8, "
+                      rf"this fit has batch_size={size}; the epoch continues after the 24 "
+                      rf"samples already trained{f', and the last {again}' if again else '[.]'}"):
+        resumed.fit(X, Y, batch_size=size, epochs=EPOCHS, seed=1, verbose=0,
+                    callbacks=[ModelCheckpoint(path, save_freq=1, monitor="loss")],
+                    resume="latest")
+    assert resumed.global_step == steps
+
+
+def test_resume_with_the_same_batch_size_says_nothing(tmp_path, recwarn):
+    path = str(tmp_path / "c-{step:03d}.ckpt")
+    with pytest.raises(KeyboardInterrupt):
+        run(make(), [ModelCheckpoint(path, save_freq=1, monitor="loss"), Crash(3)])
+    run(make(), [], resume=sorted(tmp_path.iterdir())[-1])
+    assert not [w for w in recwarn if "batch_size" in str(w.message)]

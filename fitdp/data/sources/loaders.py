@@ -12,7 +12,7 @@ from fitdp.checks import fail
 from fitdp.data.batch import DataBatch, tree_structure
 from fitdp.data.sources.convert import as_tensors
 from fitdp.data.sources.protocol import SourcePlan
-from fitdp.data.sources.tensors import epoch_generator
+from fitdp.data.sources.tensors import epoch_generator, rebatched
 
 
 class EpochSampler(torch.utils.data.Sampler[int]):
@@ -180,13 +180,19 @@ class LoaderSource:
         return DataBatch(x, y, sample_weight=w)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"epoch": self.epoch, "position": self.position, "rng": self.epoch_rng}
+        state = {"epoch": self.epoch, "position": self.position, "rng": self.epoch_rng,
+                 "batch_size": getattr(self.loader, "batch_size", None)}
         if self.stream is not None:  # read after every optimizer step
             state["stream"] = self.stream.state_dict() if self._stateful() else None
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        old, new = state.get("batch_size"), getattr(self.loader, "batch_size", None)
+        if isinstance(old, int) and isinstance(new, int) and self.stream is None:
+            # a DataLoader with another batch_size: skip the samples, not the batches
+            self.position = rebatched(self.position, old, new, self.plan().num_samples,
+                                      self.epoch, old, new)
         self.epoch_rng = state.get("rng")
         self._stream_state = state.get("stream")
         self._live = None

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from fitdp.checks import FitdpWarning
 from fitdp.data.batch import DataBatch, batch_length, tree_map
 from fitdp.data.sources.protocol import SourcePlan
 
@@ -105,14 +107,38 @@ class TensorSource:
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "global_batch": self.global_batch}
+                "global_batch": self.global_batch, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
-        # Resuming with another world size or batch: continue after the samples already seen
-        # (exact when the old global batch is a multiple of the new one).
-        seen = int(state["position"]) * int(state.get("global_batch", self.global_batch))
-        self.position = seen // self.global_batch
+        old = int(state.get("global_batch", self.global_batch))
+        self.position = rebatched(int(state["position"]), old, self.global_batch,
+                                  self.num_samples, self.epoch,
+                                  int(state.get("batch_size", old)), self.batch_size)
+
+
+def rebatched(position: int, old: int, new: int, samples: int | None, epoch: int,
+              old_batch_size: int, batch_size: int) -> int:
+    """The position (in batches of ``new`` rows) that continues after the samples that
+    ``position`` batches of ``old`` rows trained: a resume with another batch size (or
+    world size). Mid-epoch that is another run than the checkpoint's, so it warns, naming
+    both sizes, and says which samples train again (the old position rounded down to a
+    whole new batch); at an epoch's end it lines up and says nothing."""
+    seen = position * old
+    if old == new or position == 0 or (samples is not None and seen >= samples):
+        return seen // new
+    again = seen - seen // new * new
+    sizes = (f"batch_size={old_batch_size}, this fit has batch_size={batch_size}"
+             if old_batch_size != batch_size else
+             f"a global batch of {old} rows, this fit has {new} (another world size)")
+    warnings.warn(
+        f"resume: the checkpoint was taken {position} batches into epoch {epoch} with {sizes}; "
+        f"the epoch continues after the {seen} samples already trained"
+        f"{f', and the last {again} of them train again' if again else ''}. The rest of the "
+        f"run is not the one the checkpoint came from (its batches, steps and schedule). "
+        f"Fix: resume with batch_size={old_batch_size} to continue it exactly.",
+        FitdpWarning, stacklevel=3)
+    return seen // new
 
 
 def _gather(t: torch.Tensor, order: torch.Tensor, pin: bool) -> torch.Tensor:
