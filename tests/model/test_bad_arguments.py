@@ -4,6 +4,7 @@ naming it, and leaves weights, optimizer state, step and data position as they w
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -39,6 +40,16 @@ def state(model: fitdp.Model, it: fitdp.BucketIterator) -> tuple:
             repr(model.optimizer.state_dict()), model.global_step, it.state_dict())
 
 
+# in-memory data for the data cases: the same sequences, of one length
+X = torch.randint(1, 9, (24, 3))
+
+
+def nan_at(row: int) -> torch.Tensor:
+    w = torch.ones(24)
+    w[row] = float("nan")
+    return w
+
+
 def same(a: tuple, b: tuple) -> bool:
     return (a[0].keys() == b[0].keys() and all(torch.equal(v, b[0][k]) for k, v in a[0].items())
             and a[1:] == b[1:])
@@ -54,7 +65,12 @@ BAD = {
     ("compile", "grad_clip_norm"): st.one_of(negative, st.just(0), st.booleans(),
                                              st.sampled_from([math.nan, math.inf])),
     ("compile", "grad_accum_steps"): st.one_of(st.integers(max_value=0), not_a_number,
-                                               st.floats(allow_nan=True)),
+                                               st.floats(allow_nan=True),
+                                               st.integers(min_value=sys.maxsize + 1)),
+    ("compile", "lr_scheduler"): st.sampled_from([
+        torch.optim.lr_scheduler.StepLR, lambda opt: torch.optim.lr_scheduler.StepLR(opt),
+        lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1),  # no total_steps
+        3, "step", (lambda opt: None, "batch")]),
     ("compile", "precision"): st.text(max_size=4),
     ("compile", "metrics"): st.one_of(st.integers(), st.text(min_size=1, max_size=3)),
     ("compile", "optimizer"): st.one_of(st.integers(), st.text(min_size=1, max_size=3)),
@@ -62,24 +78,38 @@ BAD = {
     ("fit", "batch_size"): st.one_of(st.integers(max_value=0), not_a_number),
     ("fit", "epochs"): st.one_of(st.integers(max_value=-1), not_a_number),
     ("fit", "steps_per_epoch"): st.one_of(st.integers(max_value=0), st.booleans(),
-                                          st.text(max_size=2)),
+                                          st.text(max_size=2),
+                                          st.integers(min_value=sys.maxsize + 1)),
+    ("fit", "validation_split"): st.one_of(st.just([]), st.booleans(), st.text(max_size=2),
+                                           st.floats(min_value=1.0), negative,
+                                           st.sampled_from([math.nan, math.inf])),
     ("fit", "timeout"): st.one_of(negative, st.just(0), not_a_number),
     ("fit", "validation_freq"): st.one_of(st.integers(max_value=0), st.text(max_size=2)),
     ("fit", "devices"): st.one_of(st.just([]), st.integers(max_value=0),
                                   st.just(["cpu", 1.5]), st.just("tpu")),
-    ("fit", "work_load_list"): st.lists(st.one_of(negative, not_a_number), min_size=2,
-                                        max_size=2),
+    ("fit", "work_load_list"): st.one_of(
+        st.lists(st.one_of(negative, not_a_number), min_size=2, max_size=2),
+        st.text(min_size=1, max_size=5).filter(lambda s: s != "auto"),
+        st.lists(st.floats(min_value=1e308, max_value=1.7e308), min_size=2, max_size=2)),
     ("fit", "verbose"): st.one_of(st.integers(min_value=3), st.text(min_size=2, max_size=3)),
     ("fit", "callbacks"): st.one_of(st.integers(), st.just([print])),
-    ("fit", "seed"): st.one_of(st.floats(), st.text(max_size=2)),
+    ("fit", "seed"): st.one_of(st.floats(), st.text(max_size=2),
+                               st.integers(min_value=2**64), st.integers(max_value=-2**63 - 1)),
+    # in-memory data (x, y and sample_weight of the same rows as the iterator's)
+    ("fit", "sample_weight"): st.integers(0, 23).map(nan_at),
+    ("fit", "x"): st.sampled_from([X.numpy().astype(object), X.numpy().astype(str)]),
+    ("fit", "y"): st.sampled_from([LABELS.numpy().astype(str), LABELS.numpy().astype(object),
+                                   torch.full((24,), float("inf"))]),
     ("evaluate", "batch_size"): st.one_of(st.integers(max_value=0), not_a_number),
-    ("evaluate", "steps"): st.one_of(st.integers(max_value=0), st.text(max_size=2)),
+    ("evaluate", "steps"): st.one_of(st.integers(max_value=0), st.text(max_size=2),
+                                     st.integers(min_value=sys.maxsize + 1)),
     ("predict", "batch_size"): st.one_of(st.integers(max_value=0), not_a_number),
-    ("predict", "steps"): st.one_of(st.integers(max_value=0), st.text(max_size=2)),
+    ("predict", "steps"): st.one_of(st.integers(max_value=0), st.text(max_size=2),
+                                    st.integers(min_value=sys.maxsize + 1)),
 }
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_bad_arguments_raise_and_change_nothing(data):
     method, name = data.draw(st.sampled_from(sorted(BAD)))
@@ -90,9 +120,12 @@ def test_bad_arguments_raise_and_change_nothing(data):
     try:
         if method == "compile":
             call(**{name: value})
+        elif method == "fit" and name in ("x", "y", "sample_weight"):
+            data = {"x": X, "y": LABELS, name: value}
+            call(devices=["cpu", "cpu"], verbose=0, **data)
         elif method == "fit":
-            call(it, devices=["cpu", "cpu"], verbose=0, **{name: value}) if name not in (
-                "devices", "work_load_list") else call(it, verbose=0, **{name: value})
+            call(it, devices=["cpu", "cpu"], verbose=0, **{name: value}) if name != (
+                "devices") else call(it, verbose=0, **{name: value})
         elif method == "evaluate":
             call(it, verbose=0, **{name: value})
         else:
