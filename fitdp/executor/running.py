@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,11 @@ class BatchStep:
 
     def __init__(self, mgr: StepMixin, is_train: bool, update: Update | None,
                  scale: Scale | None, metric: Any) -> None:
-        self.mgr, self.is_train, self.update = mgr, is_train, update
+        # The manager keeps its bound steps (``_bound``): a weak reference back, so the pair
+        # is no cycle and a dropped manager (its worker threads) goes at once, not when the
+        # garbage collector runs. A few attribute reads per batch through the proxy.
+        self.mgr: StepMixin = weakref.proxy(mgr)
+        self.is_train, self.update = is_train, update
         self.scale, self.metric = scale, metric
         self.compute = mgr.compute
         self.counter = getattr(mgr.compute, "counts", None)
