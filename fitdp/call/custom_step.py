@@ -2,7 +2,7 @@
 ``predict_step`` / ``compute_loss``), run per device slice on that device's replica.
 
 ``CustomStep`` is the executor's ``compute`` (``compute(executor, training) -> (loss,
-outputs)``, ``fitdp.executor.executor``): on each device thread it sets the replica the step
+outputs)``, ``fitdp.executor.replica``): on each device thread it sets the replica the step
 runs on (``fitdp.executor.gather.running``: ``self(x)``, ``self.module`` and ``all_gather``
 read it), hands the slice to the model's step as Keras's ``data`` and returns the step's loss
 for fitdp to weigh, backpropagate, reduce and step, as it does the built-in loss. It is made

@@ -28,9 +28,9 @@ from fitdp.compiled.setup import Compiled
 from fitdp.data.batch import DataBatch, take_rows, tree_cat, tree_leaves, tree_map, tree_structure
 from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
+from fitdp.executor.bound_step import BatchStep
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.monitor import Monitor
-from fitdp.executor.running import BatchStep
 from fitdp.saving.entries import Entry, EpochLogs
 
 # the package's folder (this file is in fitdp/call/): an error raised anywhere in fitdp
@@ -174,7 +174,7 @@ class Session:
             # Stepped inside the batch's hand-off, except on the call's first batch: its
             # outputs are checked before the first step. With several optimizers a custom
             # train_step steps them itself (``Model.optimizer_step``): fitdp takes none.
-            self._run(self.train, batch,  # type: ignore[arg-type]
+            self._one_batch(self.train, batch,  # type: ignore[arg-type]
                       zero_grad=first, step=due and self.verified and not self.manual)
             if not self.verified:
                 self._first_batch_checks(batch)
@@ -216,7 +216,7 @@ class Session:
         callbacks.call("on_test_begin", {})
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
-            self._run(self.test, batch)
+            self._one_batch(self.test, batch)
             if not self.verified:
                 self._first_batch_checks(batch)
             return self._batch_logs(index)
@@ -241,7 +241,7 @@ class Session:
             if self.custom is not None:  # forward runs predict_step during this pass
                 self.custom.predicting = True
             try:
-                self._run(self.test, batch)
+                self._one_batch(self.test, batch)
             finally:
                 if self.custom is not None:
                     self.custom.predicting = False
@@ -259,7 +259,7 @@ class Session:
 
     # -- shared by every call -------------------------------------------------------------
 
-    def _run(self, bound: BatchStep, batch: DataBatch, **how: Any) -> None:
+    def _one_batch(self, bound: BatchStep, batch: DataBatch, **how: Any) -> None:
         """One batch through one of the call's bound steps (``how``: its zeroing and
         optimizer step). On a call's first batch, the user's errors come back with what the
         batch held."""
@@ -277,7 +277,7 @@ class Session:
                 raise ValueError(trainer.objective.no_weights_message())
         try:
             self.checked = True
-            self._run(bound, batch, **how)
+            self._one_batch(bound, batch, **how)
         except Exception as err:
             self.checked = False
             if _raised_in_fitdp(err):

@@ -6,9 +6,9 @@ Example:
     [slice(0, 2, None), slice(2, 6, None)]
 """
 
-from fitdp.executor.executor import Executor
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.manager import DataParallelExecutorManager
+from fitdp.executor.replica import Executor
 from fitdp.executor.slicing import split_input_slice
 
 __all__ = [

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from fitdp.data.batch import DataBatch, axis_of
-from fitdp.executor.executor import Compute, Executor
-from fitdp.executor.job import (
+from fitdp.executor.per_replica import (
     Count,
     Job,
     backward_share,
@@ -24,6 +23,7 @@ from fitdp.executor.job import (
     metric_share,
     weigh,
 )
+from fitdp.executor.replica import Compute, Executor
 from fitdp.executor.workers import DeviceWorkers
 
 # Layers that draw from the generator in training: their CPU replicas run forward in turn.
@@ -123,7 +123,7 @@ class DataParallelExecutorGroup:
     def forward(self, is_train: bool, compute: Compute, total_rows: int | torch.Tensor,
                 autocast_dtype: torch.dtype | None, counter: Count | None,
                 global_count: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Run every replica on its loaded slice (see ``job.weigh`` for the loss weights)."""
+        """Run every replica on its loaded slice (``per_replica.weigh`` gives the loss weights)."""
         self.set_mode(is_train)
         job = self.job
         job.is_train, job.compute, job.autocast = is_train, compute, autocast_dtype
@@ -147,7 +147,7 @@ class DataParallelExecutorGroup:
             job.metric = job.metric_labels = None
         metric.end_batch(self.executors[0].axis)  # the metrics that update with the whole batch
 
-    def run(self, tasks: Sequence[Callable[[], None]], serial: bool, timed: bool) -> None:
+    def dispatch(self, tasks: Sequence[Callable[[], None]], serial: bool, timed: bool) -> None:
         """The batch's hand-off (``job`` set and weighed): ``tasks`` (``shares``, or
         ``tasks`` with a sharded optimizer step) on the device threads; ``serial``: every
         device's share on this thread, one after another (what one replica's thread would

@@ -13,11 +13,11 @@ from torch import nn
 from fitdp.data.batch import DataBatch, take_rows, tree_map
 from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
+from fitdp.executor.bound_step import StepMixin, all_reduce
 from fitdp.executor.devices import DevicesArg, resolve_devices
-from fitdp.executor.executor import Compute, LossFn, ModuleLoss, check_compile
+from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.group import DataParallelExecutorGroup
-from fitdp.executor.reduce import FlatBuckets
-from fitdp.executor.running import StepMixin, all_reduce
+from fitdp.executor.replica import Compute, LossFn, ModuleLoss, check_compile
 from fitdp.executor.sharing import bucket_replicas, check_unique_names, hashable, replica
 from fitdp.executor.slicing import device_slices
 from fitdp.executor.workers import DeviceWorkers

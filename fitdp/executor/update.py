@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from fitdp.executor.reduce import FlatBuckets
-from fitdp.executor.step import ShardedStep, param_count
+from fitdp.executor.flat_buckets import FlatBuckets
+from fitdp.executor.sharded_step import ShardedStep, param_count
 
 # Below this many trainable elements the whole update runs on device 0's thread: splitting
 # it costs a wait for every thread and Python-level contention for the GIL, more than the

@@ -17,8 +17,8 @@ from torch import nn
 from fitdp.call.custom_step import overridden, step_context
 from fitdp.checks import fail
 from fitdp.compiled.optimizers import MultiOptimizer
-from fitdp.executor.executor import call_module
 from fitdp.executor.gather import current
+from fitdp.executor.replica import call_module
 
 
 def unpack_x_y_sample_weight(data: Any) -> tuple[Any, Any, Any]:

@@ -12,7 +12,7 @@ from torch import nn
 
 from fitdp.data.batch import tree_map
 from fitdp.data.sources.convert import as_tensors
-from fitdp.executor.executor import call_module
+from fitdp.executor.replica import call_module
 
 UNKNOWN = "?"  # no example batch ran through the layer (Keras: an unbuilt layer)
 MULTIPLE = "multiple"  # called more than once with different output shapes (Keras's word)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fitdp.executor.reduce import FlatBuckets
+from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.update import Update
 
 

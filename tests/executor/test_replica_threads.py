@@ -17,8 +17,8 @@ from fitdp.call.replicas import Placement, Replicas
 from fitdp.compiled.losses import Objective
 from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
-from fitdp.executor.executor import Executor
-from fitdp.executor.job import Job, weigh
+from fitdp.executor.per_replica import Job, weigh
+from fitdp.executor.replica import Executor
 
 
 def dropout_manager(devices: list[str] | None = None) -> DataParallelExecutorManager:
@@ -124,7 +124,7 @@ def test_the_random_draw_probe_reads_every_generator(monkeypatch):
 def test_first_compiled_calls_run_one_thread_at_a_time(monkeypatch):
     """Issue 21 item 9: each replica's graphs compile one thread at a time (dynamo and
     inductor keep process-wide state); cached shapes run at once."""
-    import fitdp.executor.executor as executor
+    import fitdp.executor.replica as executor
 
     monkeypatch.setattr(executor, "_raise_recompile_limit", lambda entries: None)
     mgr = DataParallelExecutorManager(nn.Linear(6, 3), ["cpu", "cpu"],

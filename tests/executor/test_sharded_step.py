@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fitdp.executor.step import SHARDABLE, ShardedStep
+from fitdp.executor.sharded_step import SHARDABLE, ShardedStep
 from fitdp.executor.workers import DeviceWorkers
 
 

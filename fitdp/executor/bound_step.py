@@ -7,7 +7,7 @@ the manager, the loss computation (``manager.compute``), the cross-rank gradient
 Per batch it is told only what changes per batch: the batch, whether it zeroes the gradients
 first (the first batch of an optimizer step), whether it ends with the step, and its rows.
 It loads, runs and steps the batch in one hand-off per device, each device running the one
-per-replica routine (``fitdp.executor.job.device_share``). ``run_batch`` and ``step`` are the
+per-replica routine (``per_replica.device_share``). ``run_batch`` and ``step`` are the
 public calls into it; neither enters the Ctrl-C guard twice: ``Model`` holds it once per step
 and calls the bound step directly.
 
@@ -30,12 +30,12 @@ import torch.distributed as dist
 from fitdp.checks import FitdpWarning
 from fitdp.data.batch import DataBatch, axis_of, batch_axis
 from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck, slow_replicas_message
-from fitdp.executor.executor import Compute
+from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.interrupts import GUARD
-from fitdp.executor.job import weigh
-from fitdp.executor.reduce import FlatBuckets
+from fitdp.executor.per_replica import weigh
+from fitdp.executor.replica import Compute
+from fitdp.executor.sharded_step import ShardedStep
 from fitdp.executor.slicing import check_work_load_arg
-from fitdp.executor.step import ShardedStep
 from fitdp.executor.update import SHARD_MIN_NUMEL, Update
 from fitdp.executor.workers import DeviceWorkers
 
@@ -100,7 +100,7 @@ class BatchStep:
         serial = self.is_train and check is not None and check.serial_next()
         timed = balancer is not None or (check is not None and self.is_train)
         sharded = stepping and not serial and update.shards > 1  # type: ignore[union-attr]
-        group.run(group.tasks if sharded else group.shares, serial, timed)
+        group.dispatch(group.tasks if sharded else group.shares, serial, timed)
         if stepping and not sharded:
             update.finish_all()  # type: ignore[union-attr]
         if check is not None and self.is_train:

@@ -2,7 +2,7 @@
 
 ``device_share(job, d)`` is the one routine every path runs, one device or many, CPU replicas
 or GPUs, ranks or not, buckets or not: zero (the first batch of an optimizer step), load the
-slice, forward and loss (through the bound ``compute``, see ``fitdp.executor.executor``),
+slice, forward and loss (through the bound ``compute``, see ``fitdp.executor.replica``),
 backward, metric update. The MXNet-style manager calls (``load_data_batch``, ``forward``,
 ``backward``, ``update_metric``) run its phases one at a time on every device
 (``load_share``, ``forward_share``, ``backward_share``, ``metric_share``); ``run_batch`` runs
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fitdp.data.batch import DataBatch, take_rows
-from fitdp.executor.executor import Compute, Executor
+from fitdp.executor.replica import Compute, Executor
 
 if TYPE_CHECKING:
     from fitdp.executor.update import Update

@@ -5,7 +5,7 @@ The loss of a slice goes through one bound callable, ``compute(executor, trainin
 (``Executor.run``) and returns the slice's mean loss (or None) with the outputs. The default
 is ``ModuleLoss``: forward, then compile's loss on the valid (not padding) rows, with the
 slice's sample weights. A custom training step or a loss that says what it averages over
-replaces it without touching the per-replica routine (``fitdp.executor.job``); the executor
+replaces it without touching the per-replica routine (``fitdp.executor.per_replica``); the executor
 then weighs the loss by the slice's share and keeps it for the logs.
 """
 
@@ -244,7 +244,7 @@ class Executor:
             return self.valid
         return whole if labels is base else counter(labels)
 
-    def run(self, is_train: bool) -> Any:
+    def module_outputs(self, is_train: bool) -> Any:
         """The replica's outputs on the staged inputs (under the caller's grad mode)."""
         if self.compiled or self.inputs_need_grad:
             return self._call(is_train, self._autocast)
@@ -347,7 +347,7 @@ class ModuleLoss:
         self.counts = getattr(loss_fn, "counts", None)
 
     def __call__(self, ex: Executor, training: bool) -> tuple[torch.Tensor | None, Any]:
-        outputs = ex.run(training)
+        outputs = ex.module_outputs(training)
         loss_fn = self.loss_fn
         if loss_fn is None or ex.labels is None or ex.valid == 0:
             return None, outputs
@@ -359,7 +359,7 @@ class ModuleLoss:
 
 
 def _outputs_only(ex: Executor, training: bool) -> tuple[None, Any]:
-    return None, ex.run(training)
+    return None, ex.module_outputs(training)
 
 
 def _raise_recompile_limit(entries: int) -> None:
