@@ -9,7 +9,6 @@ step, the first-batch checks) and changes the model's lasting state only through
 from __future__ import annotations
 
 import itertools
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,24 +16,22 @@ from typing import Any
 import torch
 
 from fitdp.call.batches import PREDICT, TEST, TRAIN, assemble, run_batches
+from fitdp.call.first_batch import check_outputs, raised_in_fitdp
 from fitdp.call.modes import Modes
 from fitdp.call.plan import CallPlan, FitPlan
 from fitdp.call.replicas import Replicas
 from fitdp.call.run_state import RunState
 from fitdp.callbacks import CallbackList
-from fitdp.checks import FitdpWarning, fail
+from fitdp.checks import FitdpWarning
 from fitdp.compiled.losses import explain_failure
 from fitdp.compiled.setup import Compiled
-from fitdp.data.batch import DataBatch, take_rows, tree_cat, tree_leaves, tree_map, tree_structure
+from fitdp.data.batch import DataBatch, take_rows, tree_cat, tree_map
 from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.bound_step import BatchStep
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.monitor import Monitor
 from fitdp.saving.entries import Entry, EpochLogs
-
-# the package's folder (this file is in fitdp/call/): an error raised anywhere in fitdp
-_FITDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class Session:
@@ -280,7 +277,7 @@ class Session:
             self._one_batch(bound, batch, **how)
         except Exception as err:
             self.checked = False
-            if _raised_in_fitdp(err):
+            if raised_in_fitdp(err):
                 raise
             raise explain_failure(err, batch, "x") from err
 
@@ -301,16 +298,8 @@ class Session:
         outputs = self.mgr.outputs()
         if not outputs:
             return
-        objective = self.trainer.objective
-        objective.check_outputs(outputs[0])  # logits, not probabilities
-        labels = self.plan.source.plan().targets
-        problem = objective.label_problem(outputs[0], batch.label if labels is None else labels)
-        if problem:
-            fail("y", problem, "class indices below the number of outputs",
-                 "check the labels, or the size of the model's last layer", described=True)
-        val = getattr(self.plan, "val", None)
-        if val is not None:
-            _check_validation(val, batch, objective, outputs[0])
+        check_outputs(self.trainer.objective, outputs[0], batch, self.plan.source,
+                      getattr(self.plan, "val", None))
 
     def _batch_logs(self, index: int) -> dict[str, float]:
         if self.exact_logs or (self.batch_reads and (
@@ -372,17 +361,6 @@ class Session:
             self.mgr.monitor = None
 
 
-def _raised_in_fitdp(err: BaseException) -> bool:
-    """Whether ``err`` was raised by fitdp's own code (its messages are already clear)."""
-    tb = err.__traceback__
-    last = None
-    while tb is not None:
-        last = tb
-        tb = tb.tb_next
-    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(
-        _FITDP_DIR)
-
-
 def _host_copier(replicas: Replicas) -> Callable[[torch.Tensor], torch.Tensor]:
     """Outputs to the CPU; under mixed precision, floats in the module's own dtype (as Keras
     returns its compute dtype: float32 for a float32 model trained with bf16-mixed)."""
@@ -400,49 +378,3 @@ def _host_copier(replicas: Replicas) -> Callable[[torch.Tensor], torch.Tensor]:
         return t.to("cpu", copy=True)
 
     return to_host
-
-
-def _check_validation(val: DataSource, batch: DataBatch, objective: Any, outputs: Any) -> None:
-    """Validation data like the training data (structure, dtypes, trailing shapes without
-    buckets, target range), checked before the first step."""
-    sample = _first_batch(val)
-    if sample is None:
-        return
-    for part, ours, theirs in (("inputs", batch.data, sample.data),
-                               ("targets", batch.label, sample.label)):
-        if tree_structure(ours) != tree_structure(theirs) or (
-                batch.bucket_key is None and _trailing(ours) != _trailing(theirs)):
-            fail("validation_data", f"{part} {_describe(theirs)}",
-                 f"{part} shaped like the training {part} {_describe(ours)}",
-                 "pass validation data in the same form as x and y", described=True)
-    if sample.label is not None:
-        try:
-            objective.check_targets(sample.label)
-        except ValueError as err:
-            raise ValueError(f"validation_data: {err}") from None
-        labels = val.plan().targets
-        problem = objective.label_problem(outputs, sample.label if labels is None else labels)
-        if problem:
-            fail("validation_data", problem, "class indices below the number of outputs",
-                 "check the validation labels", described=True)
-
-
-def _first_batch(source: DataSource) -> DataBatch | None:
-    """The first batch of a validation source, without moving it (None when it cannot be
-    read twice, like a generator)."""
-    if not source.plan().replayable:
-        return None
-    state = source.state_dict()
-    source.set_epoch(0)
-    batch = next(iter(source), None)
-    source.load_state_dict(state)
-    return batch
-
-
-def _trailing(tree: Any) -> Any:
-    return [(tuple(t.shape[1:]), t.dtype) for t in tree_leaves(tree)]
-
-
-def _describe(tree: Any) -> str:
-    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-                     for t in tree_leaves(tree)) or "none"

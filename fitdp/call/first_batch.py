@@ -1,0 +1,88 @@
+"""Checks made once per call on its first batch, before the first optimizer step: the
+outputs and targets fit the loss, the validation data is shaped like the training data, and
+which errors are fitdp's own (its messages are already clear) or the user's (explained with
+what the batch held)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fitdp.checks import fail
+from fitdp.data.batch import DataBatch, tree_leaves, tree_structure
+from fitdp.data.sources import DataSource
+
+# the package's folder (this file is in fitdp/call/): an error raised anywhere in fitdp
+_FITDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def check_outputs(objective: Any, outputs: Any, batch: DataBatch, source: DataSource,
+                  val: DataSource | None) -> None:
+    """The first batch's ``outputs`` are what ``objective`` takes (logits, not
+    probabilities), every target of ``source`` is in range (the whole in-memory label
+    tensor when the source knows it), and ``val`` is shaped like the training data."""
+    objective.check_outputs(outputs)
+    labels = source.plan().targets
+    problem = objective.label_problem(outputs, batch.label if labels is None else labels)
+    if problem:
+        fail("y", problem, "class indices below the number of outputs",
+             "check the labels, or the size of the model's last layer", described=True)
+    if val is not None:
+        check_validation(val, batch, objective, outputs)
+
+
+def raised_in_fitdp(err: BaseException) -> bool:
+    """Whether ``err`` was raised by fitdp's own code (its messages are already clear)."""
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(
+        _FITDP_DIR)
+
+
+def check_validation(val: DataSource, batch: DataBatch, objective: Any, outputs: Any) -> None:
+    """Validation data like the training data (structure, dtypes, trailing shapes without
+    buckets, target range), checked before the first step."""
+    sample = first_batch(val)
+    if sample is None:
+        return
+    for part, ours, theirs in (("inputs", batch.data, sample.data),
+                               ("targets", batch.label, sample.label)):
+        if tree_structure(ours) != tree_structure(theirs) or (
+                batch.bucket_key is None and _trailing(ours) != _trailing(theirs)):
+            fail("validation_data", f"{part} {_describe(theirs)}",
+                 f"{part} shaped like the training {part} {_describe(ours)}",
+                 "pass validation data in the same form as x and y", described=True)
+    if sample.label is not None:
+        try:
+            objective.check_targets(sample.label)
+        except ValueError as err:
+            raise ValueError(f"validation_data: {err}") from None
+        labels = val.plan().targets
+        problem = objective.label_problem(outputs, sample.label if labels is None else labels)
+        if problem:
+            fail("validation_data", problem, "class indices below the number of outputs",
+                 "check the validation labels", described=True)
+
+
+def first_batch(source: DataSource) -> DataBatch | None:
+    """The first batch of a validation source, without moving it (None when it cannot be
+    read twice, like a generator)."""
+    if not source.plan().replayable:
+        return None
+    state = source.state_dict()
+    source.set_epoch(0)
+    batch = next(iter(source), None)
+    source.load_state_dict(state)
+    return batch
+
+
+def _trailing(tree: Any) -> Any:
+    return [(tuple(t.shape[1:]), t.dtype) for t in tree_leaves(tree)]
+
+
+def _describe(tree: Any) -> str:
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                     for t in tree_leaves(tree)) or "none"
