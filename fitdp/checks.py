@@ -159,6 +159,19 @@ def check_choice(name: str, value: Any, choices: Collection[Any], fix: str = "")
     fail(name, value, "one of " + ", ".join(repr(c) for c in choices), fix)
 
 
+def check_path_arg(name: str, path: Any, example: str) -> str:
+    """``path`` as a non-empty string (a file or folder a callback writes later): a
+    TypeError naming ``name`` otherwise, with ``example`` as the fix.
+
+    Example:
+        >>> check_path_arg("BackupAndRestore(backup_dir=...)", "runs/backup", "'runs/backup'")
+        'runs/backup'
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        fail(name, path, f"a non-empty path such as {example}", error=TypeError)
+    return os.fspath(path)
+
+
 def check_path(name: str, path: Any, *, must_exist: bool = False) -> str:
     """``path`` as a string naming a regular file (existing or to be written).
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from fitdp.callbacks._save_freq import check_save_freq, step_save_due
 from fitdp.callbacks.base import Callback
-from fitdp.checks import fail
+from fitdp.checks import check_path_arg
 from fitdp.saving.seal import CheckpointError, verify
 
 
@@ -52,10 +52,8 @@ class BackupAndRestore(Callback):
                  delete_checkpoint: bool = True, *, double_checkpoint: bool = False,
                  async_save: bool = False) -> None:
         super().__init__()
-        if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
-            fail("BackupAndRestore(backup_dir=...)", backup_dir,
-                 "a non-empty folder path such as 'runs/backup'", error=TypeError)
-        self.backup_dir = os.fspath(backup_dir)
+        self.backup_dir = check_path_arg("BackupAndRestore(backup_dir=...)", backup_dir,
+                                         "'runs/backup'")
         self.save_freq = check_save_freq(save_freq, "BackupAndRestore", "optimizer steps")
         self.delete_checkpoint = bool(delete_checkpoint)
         self.double_checkpoint = bool(double_checkpoint)

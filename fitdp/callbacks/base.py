@@ -55,14 +55,20 @@ class Callback:
         """Receive the run's parameters: `epochs`, `steps`, `verbose`, `batch_size`, `resumed`."""
         self.params = dict(params)
 
+    # The field that tells two callbacks of one class apart in a checkpoint (a built-in's
+    # file path or monitored key), or None.
+    state_field: str | None = None
+
     @property
     def state_key(self) -> str:
         """The name this callback's state is saved under in a checkpoint (stable across runs).
 
-        The class name; built-ins add what tells two of them apart (a file path, a monitored
-        key). `fitdp.callbacks.state_keys` suffixes duplicates (`#2`, `#3`, ...).
+        The class name, and `[<state_field's value>]` when the class names a `state_field`
+        (`EarlyStopping[val_loss]`, `ModelCheckpoint[<filepath>]`).
+        `fitdp.callbacks.state_keys` suffixes duplicates (`#2`, `#3`, ...).
         """
-        return type(self).__name__
+        name = type(self).__name__
+        return name if self.state_field is None else f"{name}[{getattr(self, self.state_field)}]"
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume this callback; empty for stateless ones."""

@@ -41,6 +41,8 @@ class EarlyStopping(Callback):
         'min'
     """
 
+    state_field = "monitor"
+
     needs_batch_logs = False  # epoch logs only
 
     def __init__(self, monitor: str = "val_loss", min_delta: float = 0, patience: int = 0,
@@ -59,11 +61,6 @@ class EarlyStopping(Callback):
                                           start_from_epoch, 0)
         self.verbose = verbose
         self._reset()
-
-    @property
-    def state_key(self) -> str:
-        """`EarlyStopping[<monitor>]`."""
-        return f"EarlyStopping[{self.monitor}]"
 
     def _reset(self) -> None:
         self.wait = 0

@@ -132,6 +132,8 @@ class ReduceLROnPlateau(Callback):
         >>> plateau = ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=2, min_lr=1e-5)
     """
 
+    state_field = "monitor"
+
     needs_batch_logs = False  # epoch hooks only
 
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10,
@@ -149,11 +151,6 @@ class ReduceLROnPlateau(Callback):
         self.min_lr = check_number("ReduceLROnPlateau(min_lr=...)", min_lr, low=0)
         self.verbose = verbose
         self._reset()
-
-    @property
-    def state_key(self) -> str:
-        """`ReduceLROnPlateau[<monitor>]`."""
-        return f"ReduceLROnPlateau[{self.monitor}]"
 
     def _reset(self) -> None:
         self.best: float | None = None

@@ -17,7 +17,7 @@ from fitdp.callbacks._monitored_value import (
 )
 from fitdp.callbacks._save_freq import BatchCounter, check_save_freq
 from fitdp.callbacks.base import Callback
-from fitdp.checks import check_int, check_number, fail
+from fitdp.checks import check_int, check_number, check_path_arg, fail
 
 
 class ModelCheckpoint(Callback):
@@ -62,6 +62,8 @@ class ModelCheckpoint(Callback):
         ('min', 'ModelCheckpoint[runs/ckpt-{epoch:02d}-{val_loss:.3f}.ckpt]')
     """
 
+    state_field = "filepath"
+
     def __init__(self, filepath: str | os.PathLike[str], monitor: str = "val_loss",
                  mode: str = "auto", save_best_only: bool = False,
                  save_freq: str | int = "epoch", keep: int | None = None,
@@ -69,10 +71,8 @@ class ModelCheckpoint(Callback):
                  initial_value_threshold: float | None = None,
                  async_save: bool = False) -> None:
         super().__init__()
-        if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
-            fail("ModelCheckpoint(filepath=...)", filepath,
-                 "a non-empty path such as 'runs/ckpt-{epoch:02d}.ckpt'", error=TypeError)
-        self.filepath = os.fspath(filepath)
+        self.filepath = check_path_arg("ModelCheckpoint(filepath=...)", filepath,
+                                       "'runs/ckpt-{epoch:02d}.ckpt'")
         self._fields = _named_fields(self.filepath)
         self.monitor = monitor
         self.mode = resolve_mode(monitor, mode, "ModelCheckpoint")
@@ -95,11 +95,6 @@ class ModelCheckpoint(Callback):
         self._pending: str | None = None  # an async save not known to be durable yet
         self._counter = BatchCounter(self.save_freq if self.save_freq != "epoch" else 1)
         self._epoch = 0
-
-    @property
-    def state_key(self) -> str:
-        """`ModelCheckpoint[<filepath>]`."""
-        return f"ModelCheckpoint[{self.filepath}]"
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         # `best` carries over between fits, as in Keras; the batch count restarts.
