@@ -14,6 +14,7 @@ import logging
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,25 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}{result.stderr}"
+
+
+def test_readme_example_runs_where_replicas_pay(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 17 item 12): README's first example trained the tiny MLP on
+    ["cpu", "cpu"] and, on a busy machine, warned that one replica would train faster. It
+    asks for devices="auto", which never makes CPU replicas the slow-replicas check could
+    judge: here the check says "slower" at once, and no FitdpWarning may come."""
+    from fitdp.checks import FitdpWarning
+    from fitdp.executor.balance import SlowReplicaCheck
+
+    def always_slower(self: SlowReplicaCheck, serial: bool, seconds: float
+                      ) -> tuple[float, float]:
+        self.done = True
+        return 2e-3, 1e-3
+
+    monkeypatch.setattr(SlowReplicaCheck, "record", always_slower)
+    monkeypatch.chdir(tmp_path)
+    readme = ROOT / "README.md"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FitdpWarning)
+        exec(compile(page_script(readme), str(readme), "exec"), {"__name__": "docs.README"})

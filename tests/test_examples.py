@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,27 @@ def test_train_digits_fast(tmp_path):
     assert "final metrics after 2 epochs" in out.stdout
     assert "val_multiclass_accuracy" in out.stdout
     assert plot.stat().st_size > 1000
+
+
+def test_train_digits_measures_and_trains_on_the_faster():
+    """Regression (issue 17 item 12): the first example trained two CPU replicas whether or
+    not they paid here. On two cores it now prints 1 vs 2 replicas' measured speeds and trains
+    on the faster."""
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_digits.py"), "--fast"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    if len(os.sched_getaffinity(0)) < 2:  # one core: two replicas could only take turns
+        assert "samples/s" not in out.stdout and "on ['cpu'], " in out.stdout
+        return
+    speed = re.search(r"2 CPU replicas: (\d+) samples/s, 1 replica: (\d+) samples/s "
+                      r"\(x(\d+\.\d\d)\): training on (one|two)", out.stdout)
+    assert speed is not None, out.stdout
+    two, one, ratio = int(speed[1]), int(speed[2]), float(speed[3])
+    assert two > 0 and one > 0 and abs(ratio - two / one) < 0.02
+    faster = ["cpu", "cpu"] if speed[4] == "two" else ["cpu"]
+    if abs(two - one) > 1:  # the printed speeds are rounded
+        assert (speed[4] == "two") == (two > one)
+    assert f"on {faster}, " in out.stdout
 
 
 def test_train_digits_takes_one_replica_on_one_core():
