@@ -56,14 +56,17 @@ class CustomStep:
         self.manual = False  # several optimizers, stepped by train_step (set by Replicas)
         self._index: dict[int, int] = {}  # id(executor) -> device index
         self.manager: Any = None
+        self.trainer: Any = None
         # Per device: log key -> (sum of value * rows, rows) of extra logs a step returned.
         self._logs: list[dict[str, list[float]]] = [{} for _ in devices]
 
-    def bind(self, manager: Any, manual: bool) -> None:
+    def bind(self, manager: Any, trainer: Any) -> None:
         """The executor manager the step runs in (a device's index is its executor's place
-        in its group; ``optimizer_step`` reduces and steps through it); ``manual``: the
-        compiled optimizers are stepped by ``train_step`` (``Compiled.manual``)."""
-        self.manager, self.manual = manager, manual
+        in its group; ``optimizer_step`` reduces and steps through its ``Update``) and the
+        compiled setup (``Compiled``, or None): with several optimizers ``train_step``
+        steps them (``Compiled.manual``), under its scaler and clipping."""
+        self.manager, self.trainer = manager, trainer
+        self.manual = trainer is not None and trainer.manual
 
     def _device_index(self, ex: Any) -> int:
         index = self._index.get(id(ex))
@@ -130,24 +133,29 @@ class CustomStep:
                  "return the tensor compute_loss gave", error=TypeError)
         return loss
 
-    def zero_device(self, context: ReplicaContext) -> None:
-        """Zero the gradients of the replica ``context`` runs (``optimizer_step``)."""
-        flat = self.manager.flat
-        if flat is not None:
-            flat.zero_device(context.index)
-        else:
-            for p in context.module.parameters():
-                p.grad = None
+    def update(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The executor's ``Update`` for ``optimizer`` (``manager.manual_update``), under the
+        compiled scaler (16-mixed) and ``grad_clip_norm``."""
+        trainer = self.trainer
+        clip = trainer.config.grad_clip_norm if trainer is not None else None
+        scaler = trainer.scaler if trainer is not None else None
+        return self.manager.manual_update(optimizer, scaler=scaler, clip_norm=clip)
 
-    def apply(self, context: ReplicaContext, optimizer: torch.optim.Optimizer) -> None:
-        """Once every replica has backpropagated: sum the gradients across replicas and
-        ranks, step ``optimizer`` on device 0's parameters, copy them to every replica."""
-        mgr = self.manager
+    def backward(self, context: ReplicaContext, optimizer: torch.optim.Optimizer,
+                 loss: torch.Tensor) -> None:
+        """One replica's part of ``optimizer_step``: its gradients zeroed, its weighted loss
+        (scaled by the 16-mixed ``GradScaler``) backpropagated; then, once every replica
+        has, the update (reduce across replicas and ranks, unscale, clip, step,
+        broadcast) on the last replica to arrive, before any replica goes on."""
+        update = self.update(optimizer)
+        update.zero_device(context.index)
+        weighted = loss if isinstance(context.weight, float) and context.weight == 1.0 \
+            else loss * context.weight
+        scaler = update.scaler
+        (weighted if scaler is None else scaler.scale(weighted)).backward()
 
         def leader(_: list[Any]) -> list[Any]:
-            mgr.reduce_gradients()
-            optimizer.step()
-            mgr.sync_params()
+            update.apply(0)
             return []
 
         if self.meeting is None:

@@ -89,7 +89,7 @@ class Replicas:
         )
         self.step = step
         if step is not None:
-            step.bind(self.manager, trainer is not None and trainer.manual)
+            step.bind(self.manager, trainer)
         if autocast is torch.float16 and trainer is not None and trainer.scaler is None:
             trainer.scaler = torch.amp.GradScaler("cuda")
             # The scaler makes its scale tensor on first use: here, in one thread, not in

@@ -114,6 +114,13 @@ class Compiled:
         # 16-mixed runs on CUDA only: a fused optimizer there spares GradScaler a sync a step.
         optimizer = build_optimizers(config.optimizer, module, lr,
                                      fused=config.precision == "16-mixed")
+        if isinstance(optimizer, MultiOptimizer) and config.grad_accum_steps > 1:
+            # A train_step that steps its optimizers itself decides when they step; fitdp
+            # cannot postpone them (Lightning's manual optimization leaves it to the user too).
+            fail("grad_accum_steps", config.grad_accum_steps, "1 with several optimizers "
+                 "(train_step steps them itself with Model.optimizer_step)",
+                 "compile with grad_accum_steps=1 and accumulate in train_step: call "
+                 "optimizer_step every N batches, or use one optimizer")
         scheduler, interval = build_scheduler(config.lr_scheduler, optimizer)
         return cls(config, objective, optimizer, scheduler, interval, metrics)
 

@@ -137,6 +137,7 @@ class StepMixin:
     _reserved: list[Any]
     _shardable: bool
     _bound: dict[tuple[Hashable, ...], BatchStep]
+    _manual: dict[tuple[Hashable, ...], Update]
     execgrp: DataParallelExecutorGroup
 
     if TYPE_CHECKING:  # the manager's
@@ -157,6 +158,7 @@ class StepMixin:
         self.work_load_list = [1.0] * len(self.devices)
         self.balancer = None
         self._slices, self._reserved, self._bound = {}, [], {}
+        self._manual = {}
         self.set_work_load_list(work_load_list)
         cpu = all(d.type == "cpu" for d in self.devices)
         several = len(self.devices) > 1
@@ -200,6 +202,21 @@ class StepMixin:
         return Update(self.flat, self.master_parameters(), optimizer,
                       len(self.devices) if sharded else 1, scaler=scaler, clip_norm=clip_norm,
                       cross_rank=self.cross_rank, fresh_ok=cpu)
+
+    def manual_update(self, optimizer: torch.optim.Optimizer, *,
+                      scaler: torch.amp.GradScaler | None = None,
+                      clip_norm: float | None = None) -> Update:
+        """The update of one of several optimizers that a custom ``train_step`` steps itself
+        (``Model.optimizer_step``): the same reduce, unscale, clip (its own parameters),
+        step and broadcast as the bound step's, on one thread (the replicas' meeting), so
+        never sharded. Made once per optimizer and kept with the bound steps."""
+        key = ("manual", optimizer, scaler, clip_norm)
+        update = self._manual.get(key)
+        if update is None or not update.fits(optimizer):
+            update = self._manual[key] = Update(
+                self.flat, self.master_parameters(), optimizer, 1, scaler=scaler,
+                clip_norm=clip_norm, cross_rank=self.cross_rank, fresh_ok=False)
+        return update
 
     def run_batch(
         self,

@@ -84,6 +84,12 @@ class Update:
         self.shards = max(1, min(shards, self.devices))
         self.fresh_ok = fresh_ok and cross_rank is None
         self.size = param_count(optimizer) if optimizer is not None else 0
+        # Clipping takes the norm of the gradients the optimizer steps: all of device 0's,
+        # or, for one of several optimizers (``manual_update``), its own, in flat order.
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]} \
+            if optimizer is not None else set()
+        clipped = [p for p in self.masters if id(p) in mine]
+        self.clipped = self.masters if len(clipped) == len(self.masters) else clipped
         owner = self.owner = self._owners()
         # Per shard: (device 0's gradient range, the other devices' ranges), and the same for
         # parameters the other way. Views made once: no per-step allocation.
@@ -211,7 +217,7 @@ class Update:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # type: ignore[arg-type]
         if self.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.clip_norm)
+            torch.nn.utils.clip_grad_norm_(self.clipped, self.clip_norm)
         self._step_shard(s)
         self.broadcast_shard(s)
 

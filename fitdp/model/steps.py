@@ -140,11 +140,14 @@ class KerasSteps:
 
     def optimizer_step(self, name: str, loss: torch.Tensor) -> None:
         """Inside ``train_step``: one step of the optimizer ``name`` from ``loss`` (this
-        slice's mean), Lightning's manual optimization. Every replica zeroes its gradients,
-        backpropagates its weighted loss, then the gradients are summed across the replicas
-        and ranks (the whole batch's gradient, as one device) and the optimizer steps
-        device 0's parameters, copied to every replica before the step goes on. Every
-        replica must call it the same times in the same order.
+        slice's mean), Lightning's manual optimization. Every replica zeroes its gradients
+        and backpropagates its weighted loss; then the executor's one update runs, as for
+        fitdp's own step: the gradients summed across the replicas and ranks (the whole
+        batch's gradient, as one device), unscaled (16-mixed), clipped to
+        ``grad_clip_norm`` (this optimizer's parameters), the step on device 0's
+        parameters, copied to every replica before the step goes on. Every replica must
+        call it the same times in the same order. ``grad_accum_steps`` > 1 is refused with
+        several optimizers (accumulate in the step, as Lightning's manual optimization).
 
         Raises:
             RuntimeError: outside a step.
@@ -155,9 +158,4 @@ class KerasSteps:
         if name not in optimizers:
             fail("optimizer_step(name)", name, f"one of {sorted(optimizers)}",
                  "compile(optimizer={name: ..., ...}) names them", error=ValueError)
-        opt = optimizers[name]
-        context.step.zero_device(context)
-        weighted = loss if isinstance(context.weight, float) and context.weight == 1.0 \
-            else loss * context.weight
-        weighted.backward()
-        context.step.apply(context, opt)
+        context.step.backward(context, optimizers[name], loss)

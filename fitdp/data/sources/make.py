@@ -148,6 +148,10 @@ def class_weights(class_weight: Mapping[int, float], y: Any) -> torch.Tensor:
     if not isinstance(class_weight, Mapping) or not class_weight:
         fail("class_weight", class_weight, "a non-empty dict {class index: weight}",
              error=TypeError)
+    if y is None:  # fit(x) without y (a custom compute_loss): no class to look up
+        fail("class_weight", "no targets (fit was given x without y)", "targets y, one "
+             "class index per sample, to weigh each sample by its class",
+             "pass y=..., or weigh the samples with sample_weight=...", described=True)
     if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.dim() != 1:
         fail("class_weight", "targets that are not a 1-D tensor of class indices",
              "1-D integer targets (one class per sample)", "use sample_weight instead",
