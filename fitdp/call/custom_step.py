@@ -47,6 +47,8 @@ class CustomStep:
         meeting: where the replica threads meet (``all_gather``, ``optimizer_step``).
     """
 
+    takes_turns = True  # replicas that meet mid-step take turns here (``Meeting.take_turn``)
+
     def __init__(self, model: Any, devices: list[torch.device], ranks: bool) -> None:
         self.model = model
         self.devices = devices
@@ -54,7 +56,10 @@ class CustomStep:
         self.meeting = Meeting(devices) if len(devices) > 1 else None
         self.predicting = False
         self.manual = False  # several optimizers, stepped by train_step (set by Replicas)
-        self._index: dict[int, int] = {}  # id(executor) -> device index
+        self._index: dict[int, tuple[int, Any]] = {}  # id(executor) -> (device, its job)
+        # What a slice's loss means over when compile's loss is a TokenMean (``job.weigh``
+        # weighs the slices by it, as on the built-in path); None: rows.
+        self.counts: Any = None
         self.manager: Any = None
         self.trainer: Any = None
         # Per device: log key -> (sum of value * rows, rows) of extra logs a step returned.
@@ -67,36 +72,49 @@ class CustomStep:
         steps them (``Compiled.manual``), under its scaler and clipping."""
         self.manager, self.trainer = manager, trainer
         self.manual = trainer is not None and trainer.manual
+        self.counts = getattr(trainer.objective, "counts", None) if trainer is not None \
+            else None
 
-    def _device_index(self, ex: Any) -> int:
+    def _device_index(self, ex: Any) -> tuple[int, Any]:
         index = self._index.get(id(ex))
         if index is None:
             for group in self.manager.groups.values():
                 for d, e in enumerate(group.executors):
-                    self._index[id(e)] = d
+                    self._index[id(e)] = (d, group.job)
             index = self._index[id(ex)]
         return index
 
     def __call__(self, ex: Any, training: bool) -> tuple[torch.Tensor | None, Any]:
-        d = self._device_index(ex)
-        model = self.model
+        d, job = self._device_index(ex)
+        model, meeting = self.model, self.meeting
         rows = ex.valid
         x = ex.valid_rows(ex.inputs)
         y = None if ex.labels is None else ex.valid_rows(ex.labels)
         w = None if ex.weights is None else ex.weights[:rows]
-        context = ReplicaContext(ex.module, ex.device, d, self.meeting,
+        turn = False
+        if meeting is not None:
+            # A replica a short batch gives no rows never runs its step (nor meets).
+            meeting.expect([i for i, sl in enumerate(job.slices) if sl.stop > sl.start])
+            turn = training and job.step_turns  # replicas sharing a generator that draw
+        context = ReplicaContext(ex.module, ex.device, d, meeting,
                                  getattr(ex, "weight", 1.0), self.ranks, owner=model,
-                                 fn=ex.fn, step=self)
+                                 fn=ex.fn, step=self, in_turn=turn)
         try:
+            if turn:
+                meeting.take_turn(d)  # type: ignore[union-attr]
             with running(context):
                 if self.predicting:
                     return None, model.predict_step(step_data(x, None, None))
                 data = step_data(x, y, w)
                 result = model.train_step(data) if training else model.test_step(data)
         except BaseException as err:
-            if self.meeting is not None:
-                self.meeting.fail(err)
+            if meeting is not None:
+                meeting.fail(err)
             raise
+        finally:
+            if turn:
+                context.in_turn = False  # its backward (fitdp's, after the step) meets at once
+                meeting.end_turn(d)  # type: ignore[union-attr]
         loss = self._loss_of(result, d, rows, training)
         return loss, context.outputs
 
@@ -161,7 +179,7 @@ class CustomStep:
         if self.meeting is None:
             leader([])
         else:
-            self.meeting.exchange(context.index, None, leader)
+            self.meeting.exchange(context.index, None, leader, turn=context.in_turn)
 
     def logs(self) -> dict[str, list[float]]:
         """Extra logs since the last reset: key -> [sum of value * rows, rows] over devices."""

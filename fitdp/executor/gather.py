@@ -49,6 +49,8 @@ class ReplicaContext:
         owner: the model whose step this is (``self.module`` of another model is its own).
         fn: runs the replica (its ``torch.compile``d form with ``compile=True``).
         step: the step's caller (``fitdp.call.custom_step.CustomStep``).
+        in_turn: the step runs in turn with the other replicas' (``Meeting.take_turn``):
+            it passes the turn on at each meeting.
         outputs: the step's outputs for the metrics (the last ``self(x)``, or the
             ``y_pred`` given to ``compute_loss``).
     """
@@ -62,6 +64,7 @@ class ReplicaContext:
     owner: Any = None
     fn: Callable[..., Any] | None = None
     step: Any = None
+    in_turn: bool = False
     outputs: Any = None
 
 
@@ -91,6 +94,13 @@ class Meeting:
     """The replica threads of one process meet here: each brings a value, all leave with
     every value in device order. Reused step after step (one generation per meeting).
 
+    Only the replicas given rows this batch meet (``expect``): a short last batch leaves
+    the others idle, and they add nothing (None in their place). Replicas that share a
+    generator and draw from it run their steps in turn (``take_turn``, ``end_turn``): one
+    replica at a time, in device order, from the step's start or a meeting to the next
+    meeting or the step's end, so a seeded run draws the same numbers whatever the threads
+    do; at a meeting the turn passes on, and after it starts again with the first replica.
+
     Args:
         devices: the replicas' devices, in order (one thread each).
 
@@ -111,13 +121,52 @@ class Meeting:
         self._generation = 0
         self._result: list[Any] = []
         self._error: BaseException | None = None
+        self.active = list(range(self.n))  # the replicas that meet this batch (``expect``)
+        self._turn = 0  # whose turn it is: a place in ``active``
 
-    def exchange(self, index: int, value: Any, leader: Callable[[list[Any]], Any] | None = None
-                 ) -> list[Any]:
+    def expect(self, active: list[int]) -> None:
+        """This batch's replicas with rows, in device order: only they meet. Each of them
+        sets it before it first meets (the same list from each: no race)."""
+        self.active = active
+
+    def _mine(self, index: int) -> bool:
+        return self.active[self._turn] == index
+
+    def _pass_turn(self, index: int) -> None:
+        if self._mine(index):
+            self._turn = (self._turn + 1) % len(self.active)
+            self._cond.notify_all()
+
+    def take_turn(self, index: int) -> None:
+        """Wait until replica ``index``'s turn (the replicas before it passed it on)."""
+        with self._cond:
+            self._wait(index, lambda: self._mine(index) or self._error is not None)
+            if self._error is not None:
+                raise RuntimeError("all_gather: another replica failed in this step") \
+                    from self._error
+
+    def end_turn(self, index: int) -> None:
+        """Replica ``index``'s step ended: the next replica's turn."""
+        with self._cond:
+            self._pass_turn(index)
+
+    def _wait(self, index: int, ready: Callable[[], bool]) -> None:
+        if not self._cond.wait_for(ready, WAIT_SECONDS):
+            self._error = RuntimeError("timeout")
+            self._cond.notify_all()
+            raise RuntimeError(
+                f"all_gather / optimizer_step: replica {index} waited {WAIT_SECONDS:.0f} s "
+                f"for the other replicas; every replica's step must call them the same "
+                f"number of times, in the same order (a call under an `if` that depends on "
+                f"the slice is the usual cause)")
+
+    def exchange(self, index: int, value: Any, leader: Callable[[list[Any]], Any] | None = None,
+                 turn: bool = False) -> list[Any]:
         """Leave ``value``, wait for the other replicas, return every value in device order.
         ``leader``, when given, runs once on the last thread to arrive, with the values,
         before anyone leaves (what it returns replaces the list; what it raises reaches
-        every replica)."""
+        every replica). ``turn``: the caller holds its turn (``take_turn``); it passes it
+        on, and has it again when it leaves."""
         with self._cond:
             if self._error is not None:
                 raise RuntimeError("all_gather: another replica failed in this step") \
@@ -125,7 +174,9 @@ class Meeting:
             generation = self._generation
             self._slots[index] = value
             self._arrived += 1
-            if self._arrived == self.n:
+            if turn:
+                self._pass_turn(index)
+            if self._arrived == len(self.active):
                 values, self._slots = self._slots, [None] * self.n
                 self._arrived = 0
                 try:
@@ -136,17 +187,11 @@ class Meeting:
                 finally:
                     self._generation += 1
                     self._cond.notify_all()
-                return self._result
-            if not self._cond.wait_for(lambda: self._generation != generation
-                                       or self._error is not None, WAIT_SECONDS):
-                self._error = RuntimeError("timeout")
-                self._cond.notify_all()
-                raise RuntimeError(
-                    f"all_gather / optimizer_step: replica {index} waited {WAIT_SECONDS:.0f} s "
-                    f"for the other replicas; every replica's step must call them the same "
-                    f"number of times, in the same order (a call under an `if` that depends on "
-                    f"the slice is the usual cause)")
-            if self._error is not None and self._generation == generation:
+            self._wait(index, lambda: self._generation != generation and (
+                not turn or self._mine(index)) or self._error is not None)
+            # A later meeting cannot end before this replica arrives at it: the result holds.
+            if self._error is not None and (self._generation == generation or (
+                    turn and not self._mine(index))):
                 raise RuntimeError("all_gather: another replica failed in this step") \
                     from self._error
             return self._result
@@ -158,11 +203,12 @@ class Meeting:
             self._cond.notify_all()
 
     def reset(self) -> None:
-        """Before a step: forget the last step's failure and any half-made meeting."""
+        """Before a call: forget the last step's failure, any half-made meeting and turn."""
         with self._cond:
             self._error = None
             self._arrived = 0
             self._slots = [None] * self.n
+            self._turn = 0
 
 
 class _GatherReplicas(torch.autograd.Function):
@@ -173,18 +219,20 @@ class _GatherReplicas(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, context: ReplicaContext) -> torch.Tensor:
         meeting = context.meeting
         assert meeting is not None  # noqa: S101 - all_gather checks
-        parts = meeting.exchange(context.index, tensor.detach())
-        rows = [int(p.shape[0]) for p in parts]
+        parts = meeting.exchange(context.index, tensor.detach(), turn=context.in_turn)
+        rows = [0 if p is None else int(p.shape[0]) for p in parts]  # None: an idle replica
         ctx.context, ctx.rows = context, rows
-        return torch.cat([p.to(tensor.device, non_blocking=True) for p in parts])
+        return torch.cat([p.to(tensor.device, non_blocking=True) for p in parts
+                          if p is not None])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         context, rows = ctx.context, ctx.rows
         start = sum(rows[: context.index])
         stop = start + rows[context.index]
-        grads = context.meeting.exchange(context.index, grad)
-        mine = [g[start:stop].to(grad.device, non_blocking=True) for g in grads]
+        grads = context.meeting.exchange(context.index, grad, turn=context.in_turn)
+        mine = [g[start:stop].to(grad.device, non_blocking=True) for g in grads
+                if g is not None]
         return torch.stack(mine).sum(0), None
 
 

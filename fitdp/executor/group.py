@@ -172,11 +172,14 @@ class DataParallelExecutorGroup:
             self._warn_grown()
 
     def _begin_turns(self, is_train: bool) -> list[torch.Tensor] | None:
-        """Whether forwards take turns this batch (``job.in_turn``); the generators' states
-        when this is the probe (see ``_draws_in_turn``)."""
+        """Whether forwards take turns this batch (``job.in_turn``, or ``job.step_turns``
+        for a compute that takes them itself: a custom step, whose replicas meet mid-step);
+        the generators' states when this is the probe (see ``_draws_in_turn``)."""
         job = self.job
-        job.in_turn = is_train and self.stochastic is not False and self._draws_in_turn()
-        if not job.in_turn:
+        turns = is_train and self.stochastic is not False and self._draws_in_turn()
+        job.step_turns = turns and getattr(job.compute, "takes_turns", False)
+        job.in_turn = turns and not job.step_turns
+        if not turns:
             return None
         for event in job.turn:
             event.clear()

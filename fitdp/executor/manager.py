@@ -46,9 +46,9 @@ class DataParallelExecutorManager(StepMixin):
         logger: where warnings go (default: the ``fitdp`` logger).
         loss: ``callable(outputs, targets) -> scalar``, mean over the batch.
         compute: ``compute(executor, training) -> (loss, outputs)``, a custom step run in
-            place of forward and ``loss`` on every slice (``fitdp.call.custom_step``). Its
-            replicas always run at once, never one after another: they may meet in
-            ``fitdp.all_gather`` (so dropout on CPU replicas draws in thread order). Default:
+            place of forward and ``loss`` on every slice (``fitdp.call.custom_step``); one
+            with ``takes_turns`` runs its replicas one after another where they share a
+            generator and draw from it, passing the turn where they meet. Default:
             ``ModuleLoss(loss)``.
         compile: ``torch.compile`` every executor.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype.
@@ -374,8 +374,6 @@ class DataParallelExecutorManager(StepMixin):
             bucket_key=key, compile=self.compile, logger=self.logger,
             inputs_need_grad=self.inputs_need_grad,
         )
-        if self._custom:
-            group.stochastic = False  # never forwards in turn: see ``compute``
         if self.monitor is not None:
             self._install(group)
         return group
