@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
 import fitdp
 from fitdp.callbacks import Callback, ModelCheckpoint
+from fitdp.executor.slicing import split_input_slice
 
 G = torch.Generator().manual_seed(0)
 X, Y = torch.randn(80, 6, generator=G), torch.randint(0, 3, (80,), generator=G)
@@ -64,4 +69,33 @@ def test_mid_epoch_resume_is_bitwise_with_batchnorm_and_epoch_logs(tmp_path, dev
     for (k, v), w in zip(resumed.module.state_dict().items(),
                          reference.module.state_dict().values()):
         assert torch.equal(v, w), k
+    assert history == expected
+
+
+@settings(max_examples=8, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(n=st.integers(1, 3), loads=st.lists(st.integers(1, 3), min_size=3, max_size=3),
+       stop=st.sampled_from([s for s in range(1, EPOCHS * 10) if s % 10]))
+def test_mid_epoch_resume_is_bitwise_for_any_replicas_and_loads(n: int, loads: list[int],
+                                                                stop: int) -> None:
+    """Property (issue 17.3, 17.16): on 1-3 CPU replicas with any work loads, a checkpoint
+    every batch and a stop after any mid-epoch step, ``resume="latest"`` gives parameters,
+    BatchNorm running statistics and epoch logs bitwise equal to the uninterrupted run."""
+    devices, work = ["cpu"] * n, [float(w) for w in loads[:n]]
+    # BatchNorm needs two rows per device slice to train (8 rows at 1:3:1 leave one).
+    assume(min(s.stop - s.start for s in split_input_slice(BATCH, work)) >= 2)
+    reference = make()
+    expected = run(reference, [], devices, work_load_list=work)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = f"{tmp}/c-{{step:03d}}.ckpt"
+        with pytest.raises(KeyboardInterrupt):
+            run(make(), [ModelCheckpoint(ckpt, save_freq=1, monitor="loss"), Stop(stop)],
+                devices, work_load_list=work)
+        resumed = make()
+        history = run(resumed, [ModelCheckpoint(ckpt, save_freq=1, monitor="loss")], devices,
+                      resume="latest", work_load_list=work)
+    state, want = resumed.module.state_dict(), reference.module.state_dict()
+    assert state.keys() == want.keys()
+    for k in want:  # weights, running_mean, running_var, num_batches_tracked
+        assert torch.equal(state[k], want[k]), k
     assert history == expected
