@@ -106,9 +106,15 @@ class BatchStep:
         if check is not None and self.is_train:
             mgr._check_speed(check, group.section_seconds(serial), serial)
         if balancer is not None and not serial:
-            new = balancer.record([s.stop - s.start for s in slices], group.times)
-            if new is not None:
-                mgr._use_loads(new, group.times)
+            # This batch's times on the CPU; on CUDA those of the batches whose events have
+            # run by now (see ShareClock: no host sync).
+            for done_rows, seconds in job.clock.finished([s.stop - s.start for s in slices],
+                                                        group.times):
+                new = balancer.record(done_rows, seconds)
+                if new is not None:
+                    mgr._use_loads(new, seconds)
+                    job.clock.forget()  # the batches still pending ran the old loads
+                    break
 
     def step_now(self) -> None:
         """The optimizer step alone, from the gradients of the batches run so far."""

@@ -25,6 +25,7 @@ import torch
 
 from fitdp.data.batch import DataBatch, take_rows
 from fitdp.executor.replica import Compute, Executor
+from fitdp.executor.share_clock import ShareClock
 
 if TYPE_CHECKING:
     from fitdp.executor.update import Update
@@ -55,6 +56,7 @@ class Job:
         self.in_turn = False
         self.step_turns = False  # the compute takes the turns itself (``group._begin_turns``)
         self.timed = False  # record each share's time
+        self.clock = ShareClock([ex.device for ex in executors])  # CUDA shares: by events
         self.batch: Any = None
         self.slices: list[slice] = []
         self.is_train, self.load, self.axis = False, True, 0
@@ -150,6 +152,8 @@ def device_share(job: Job, d: int) -> None:
     goes to ``job.times[d]`` (less the wait for an earlier device's turn)."""
     timed = job.timed
     start = perf_counter() if timed else 0.0
+    if timed:
+        job.clock.begin(d)
     waited = 0.0
     try:
         update = job.update
@@ -166,9 +170,7 @@ def device_share(job: Job, d: int) -> None:
     if job.metric is not None:
         metric_share(job, d)
     if timed:
-        ex = job.executors[d]
-        if ex.device.type == "cuda":
-            torch.cuda.synchronize(ex.device)  # the share's device time (measuring only)
+        job.clock.end(d)  # a CUDA share's device time: read later, no host sync
         end = perf_counter()
         job.times[d] = end - start - waited
         job.ends[d] = end

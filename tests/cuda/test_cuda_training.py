@@ -131,3 +131,27 @@ def test_no_host_sync_between_log_points(devices: list[str], precision: str,
         counter.close()
     assert counter.windows == 26  # 30 steps; log points: batches 0, 9, 19 and 29
     assert counter.syncs == [], f"host syncs by line: {counter.where()}"
+
+
+@pytest.mark.parametrize("devices", DEVICES, ids=IDS)
+def test_auto_loads_time_shares_without_a_synchronize_per_step(
+        devices: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 21 item 5): work_load_list="auto" called torch.cuda.synchronize on
+    every device every step to time its share. CUDA events time it now, read when they have
+    run; the balancer still gets its measurements."""
+    calls: list[object] = []
+    synchronize = torch.cuda.synchronize
+
+    def counted(device: object = None) -> None:
+        calls.append(device)
+        synchronize(device)
+
+    x, y = learnable(30 * 16, 12, 5)
+    model = fitdp.Model(mlp())
+    model.compile(optimizer="adam", lr=0.01, loss="cross_entropy")
+    model.fit(x[:32], y[:32], batch_size=16, devices=devices, work_load_list="auto", verbose=0)
+    monkeypatch.setattr(torch.cuda, "synchronize", counted)
+    model.fit(x, y, batch_size=16, devices=devices, work_load_list="auto", verbose=0)
+    monkeypatch.undo()
+    assert len(calls) < 30, f"{len(calls)} synchronize calls in 30 steps"
+    assert model._replicas.manager.balancer.balanced  # the events' times were read
