@@ -158,7 +158,8 @@ def test_auto_is_checked_and_turned_off():
     mgr.set_work_load_list([1, 3])
     assert mgr.balancer is None and mgr.work_load_list == [1.0, 3.0]
     assert mgr._slices_for(8) == [slice(0, 2), slice(2, 8)]
-    with pytest.raises(TypeError, match="work_load_list: got 'Auto'.*or 'auto'"):
+    # A string of the wrong value is a ValueError since a4448f8 (right type, wrong value).
+    with pytest.raises(ValueError, match="work_load_list: got 'Auto'; expected 'auto'"):
         mgr.set_work_load_list("Auto")
     mgr.close()
 

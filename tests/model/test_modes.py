@@ -5,7 +5,7 @@ and give the module back as they found it."""
 from __future__ import annotations
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -58,6 +58,11 @@ def test_modes_after_every_call_equal_those_before(n: int, loads: list[int], eva
     eval, each training forward runs the modes of the call's start (or all in train when
     the module was in eval: what module.train() gives), each evaluation forward all in eval
     (or the start modes when the module was in eval), and every call gives them back."""
+    # BatchNorm in training refuses a single row, and the teacher's BatchNorm trains whenever
+    # its flag says so: loads such as [3, 1, 4] give device 1 one of the 12 rows. Keep loads where
+    # every device's floored share of a 12-row batch is at least 2 rows (still skewed: [4, 1, 1]).
+    work = loads[:n]
+    assume(12 * min(work) >= 2 * sum(work))
     net = Distill()
     if root_eval:
         net.eval()
@@ -66,7 +71,7 @@ def test_modes_after_every_call_equal_those_before(n: int, loads: list[int], eva
     before = modes(net)
     model = fitdp.Model(net)
     model.compile("sgd", loss="cross_entropy")
-    devices, work = ["cpu"] * n, loads[:n]
+    devices = ["cpu"] * n
     train_teacher = before["teacher"] if before[""] else True
     eval_teacher = before["teacher"] if not before[""] else False
     SEEN.clear()

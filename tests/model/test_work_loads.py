@@ -61,6 +61,7 @@ def test_fit_auto_moves_rows_off_the_slow_replica_and_reports_the_loads(caplog):
 def test_a_misspelt_auto_names_the_argument():
     model = fitdp.Model(nn.Linear(5, 3))
     model.compile(loss="cross_entropy")
-    with pytest.raises(TypeError, match=r"work_load_list: got 'automatic'.*or 'auto'"):
+    # A string of the wrong value is a ValueError since a4448f8 (right type, wrong value).
+    with pytest.raises(ValueError, match=r"work_load_list: got 'automatic'; expected 'auto'"):
         model.fit(torch.randn(8, 5), torch.randint(0, 3, (8,)), devices=["cpu", "cpu"],
                   work_load_list="automatic", verbose=0)
