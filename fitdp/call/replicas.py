@@ -67,7 +67,8 @@ class Replicas:
         autocast = trainer.autocast_dtype if trainer is not None else None
         devices = list(placement.devices)
         if trainer is not None:  # a strategy that cannot run here fails before any copy
-            engine_for(trainer.config.strategy, devices, placement.ranks.world_size)
+            engine_for(trainer.config.strategy, devices, placement.ranks.world_size,
+                       bucketed=bucket_module is not None)
         if autocast is torch.float16 and any(d.type != "cuda" for d in devices):
             fail("compile(precision='16-mixed')", [str(d) for d in devices],
                  "CUDA devices only (it uses a CUDA GradScaler)",

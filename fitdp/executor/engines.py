@@ -91,10 +91,11 @@ def check_strategy(value: Any) -> Strategy:
     return value
 
 
-def engine_for(strategy: Strategy, devices: Sequence[torch.device], world_size: int
-               ) -> DDP | FSDP | None:
+def engine_for(strategy: Strategy, devices: Sequence[torch.device], world_size: int,
+               bucketed: bool = False) -> DDP | FSDP | None:
     """The engine for a call: DDP or FSDP2 for one device per rank, None for the executor's
-    own reduction (one process, or several local devices per rank under ``"auto"``).
+    own reduction (one process, several local devices per rank, or a ``bucket_module``
+    under ``"auto"``: each bucket runs its own module, which one wrapper cannot cover).
 
     Raises:
         ValueError: ``"ddp"``/``"fsdp"`` that cannot work here, naming why and the fix.
@@ -102,7 +103,7 @@ def engine_for(strategy: Strategy, devices: Sequence[torch.device], world_size: 
     name = "fsdp" if isinstance(strategy, FSDP) else "ddp" if isinstance(strategy, DDP) \
         else strategy
     if name == "auto":
-        return DDP() if world_size > 1 and len(devices) == 1 else None
+        return DDP() if world_size > 1 and len(devices) == 1 and not bucketed else None
     if world_size < 2:
         raise ValueError(
             f"compile(strategy={name!r}): got one process (WORLD_SIZE={world_size}); expected "
@@ -114,6 +115,11 @@ def engine_for(strategy: Strategy, devices: Sequence[torch.device], world_size: 
             f"({[str(d) for d in devices]}); expected one device per rank ({name} wraps one "
             f"device's module). Fix: one process per device (torchrun --nproc-per-node "
             f"{len(devices)}) with devices='auto', or strategy='auto' for local replicas")
+    if bucketed:
+        raise ValueError(
+            f"compile(strategy={name!r}): got a Model with bucket_module; expected one module "
+            f"({name} wraps one module, each bucket runs its own). Fix: strategy='auto' "
+            f"(fitdp's own reduction covers every bucket)")
     if isinstance(strategy, (DDP, FSDP)):
         return strategy
     return DDP() if name == "ddp" else FSDP()
@@ -183,6 +189,17 @@ def _blocks(module: nn.Module, options: FSDP) -> list[nn.Module]:
 
     visit(module)
     return found
+
+
+def engine_replica(engine: DDP | FSDP, module: nn.Module, device: torch.device,
+                   autocast_dtype: torch.dtype | None) -> nn.Module:
+    """Put this rank's one replica ``module`` (on ``device``) under ``engine``; returns what
+    forward runs through: the DDP wrapper, or ``module`` itself sharded in place by FSDP2
+    (before anything reads its parameters: sharding replaces them with DTensors)."""
+    if isinstance(engine, DDP):
+        return wrap_ddp(module, device, engine)
+    shard_fsdp(module, engine, autocast_dtype)
+    return module
 
 
 def set_sync(wrapped: nn.Module, on: bool) -> None:

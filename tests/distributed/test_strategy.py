@@ -34,6 +34,7 @@ def test_auto_is_ddp_for_one_device_per_rank_and_fitdps_own_reduction_otherwise(
     assert engine_for("auto", [CPU], 2) == DDP()
     assert engine_for("auto", [CPU, CPU], 2) is None  # several local devices: replicas
     assert engine_for("auto", [CPU], 1) is None
+    assert engine_for("auto", [CPU], 2, bucketed=True) is None  # each bucket its own module
     assert engine_for("fsdp", [CPU], 4) == FSDP()
     options = FSDP(blocks=(nn.Linear,))
     assert engine_for(options, [CPU], 2) is options
@@ -43,6 +44,11 @@ def test_auto_is_ddp_for_one_device_per_rank_and_fitdps_own_reduction_otherwise(
 def test_ddp_and_fsdp_with_several_local_devices_are_refused(strategy):
     with pytest.raises(ValueError, match=r"2 local devices in one process.*one device per rank"):
         engine_for(strategy, [CPU, CPU], 2)
+
+
+def test_ddp_and_fsdp_with_a_bucket_module_are_refused():
+    with pytest.raises(ValueError, match="bucket_module"):
+        engine_for("ddp", [CPU], 2, bucketed=True)
 
 
 def test_ddp_in_one_process_is_refused_before_a_weight_moves():
