@@ -135,3 +135,30 @@ def test_a_sharded_save_killed_at_any_moment_leaves_the_previous_complete_one(tm
     sharded_io.load_sharded_state(module, None, state)
     assert step >= 3
     assert torch.equal(module.weight, torch.full_like(module.weight, step))
+
+
+def one_process(optimizer: str, accum: int, clip: float | None, precision: str) -> dict:
+    """strategy_worker.py's fit in one process on the whole global batch of 10."""
+    x = torch.randn(44, 6, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    torch.manual_seed(0)
+    model = fitdp.Model(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)))
+    model.compile(optimizer=optimizer, lr=0.05, loss="cross_entropy", grad_accum_steps=accum,
+                  grad_clip_norm=clip, precision=precision)
+    model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0, devices=["cpu"])
+    return model.get_weights()
+
+
+@pytest.mark.distributed
+def test_ddp_fit_equals_one_process_on_the_whole_batch(tmp_path):
+    """fit under strategy='ddp' (the rank's replica in DistributedDataParallel, bound by fit)
+    equals one process on the global batches: SGD; AdamW with accumulation, clipping, bf16."""
+    worker = os.path.join(os.path.dirname(__file__), "strategy_worker.py")
+    code, output, _ = launch("", tmp_path, script=[worker, str(tmp_path), "ddp"])
+    assert code == 0, output
+    assert output.count("bound ['wrap_ddp'] 2 times") == 2, output
+    for name, setup, tol in (("sgd", ("sgd", 1, None, "32"), 1e-5),
+                             ("adamw", ("adamw", 2, 0.05, "bf16-mixed"), 2e-2)):
+        got = torch.load(tmp_path / f"ddp-{name}.pt", weights_only=True)
+        for k, v in one_process(*setup).items():
+            torch.testing.assert_close(got[k], v, rtol=tol, atol=tol, msg=f"{name} {k}")

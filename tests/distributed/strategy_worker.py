@@ -1,0 +1,53 @@
+"""One rank of tests/distributed/test_strategy.py's fit-level job: the same fit under each
+strategy and setup, rank 0's weights saved for the test to compare with one process.
+
+Usage: torchrun ... strategy_worker.py OUT_DIR STRATEGY[,STRATEGY...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+import fitdp
+from fitdp.executor import engines
+
+OUT, STRATEGIES = sys.argv[1], sys.argv[2].split(",")
+RANK = int(os.environ["RANK"])
+torch.set_num_threads(1)
+# (name, optimizer, grad_accum_steps, grad_clip_norm, precision): each runs under each strategy
+SETUPS = [("sgd", "sgd", 1, None, "32"), ("adamw", "adamw", 2, 0.05, "bf16-mixed")]
+bound: list[str] = []
+for name in ("wrap_ddp", "shard_fsdp"):  # count the engines fit binds
+    real = getattr(engines, name)
+
+    def counted(*args, _real=real, _name=name, **kwargs):
+        bound.append(_name)
+        return _real(*args, **kwargs)
+
+    setattr(engines, name, counted)
+
+
+def data(n: int = 44) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+
+
+x, y = data()
+for strategy in STRATEGIES:
+    for name, optimizer, accum, clip, precision in SETUPS:
+        torch.manual_seed(RANK)  # rank 0's weights must reach every rank
+        net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+        model = fitdp.Model(net)
+        model.compile(optimizer=optimizer, lr=0.05, loss="cross_entropy",
+                      grad_accum_steps=accum, grad_clip_norm=clip, precision=precision,
+                      strategy=strategy)
+        # 44 rows, 5 per rank: the last global batch has 4 rows (2 and 2)
+        model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+        if RANK == 0:
+            torch.save(model.get_weights(), os.path.join(OUT, f"{strategy}-{name}.pt"))
+print(f"rank {RANK} bound {sorted(set(bound))} {len(bound)} times", flush=True)
