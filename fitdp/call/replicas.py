@@ -17,7 +17,7 @@ from fitdp.compiled.metrics import DeviceMetrics
 from fitdp.compiled.optimizers import bind_optimizer
 from fitdp.compiled.setup import Compiled
 from fitdp.data.sources import SourcePlan
-from fitdp.executor.engines import engine_for
+from fitdp.executor.engines import FSDP, engine_for
 from fitdp.executor.manager import DataParallelExecutorManager
 
 
@@ -66,9 +66,16 @@ class Replicas:
                  step: CustomStep | None = None) -> None:
         autocast = trainer.autocast_dtype if trainer is not None else None
         devices = list(placement.devices)
-        if trainer is not None:  # a strategy that cannot run here fails before any copy
-            engine_for(trainer.config.strategy, devices, placement.ranks.world_size,
-                       bucketed=bucket_module is not None)
+        # DDP for one device per rank (a strategy that cannot run here fails before any copy)
+        engine = engine_for(trainer.config.strategy, devices, placement.ranks.world_size,
+                            bucketed=bucket_module is not None,
+                            compiled=bool(trainer.config.compile),
+                            custom_step=step is not None) if trainer else None
+        if isinstance(engine, FSDP):
+            fail("compile(strategy='fsdp')", "fit under torchrun", "strategy='ddp' or 'auto' "
+                 "in this version: FSDP2 is not yet bound into fit's step",
+                 "use strategy='ddp', or shard by hand with fitdp.executor.engines.shard_fsdp "
+                 "and save with fitdp.executor.sharded_io", described=True)
         if autocast is torch.float16 and any(d.type != "cuda" for d in devices):
             fail("compile(precision='16-mixed')", [str(d) for d in devices],
                  "CUDA devices only (it uses a CUDA GradScaler)",
@@ -87,6 +94,7 @@ class Replicas:
             loss=trainer.objective if trainer is not None else None,
             compile=trainer.config.compile if trainer is not None else False,
             autocast_dtype=autocast, distributed=placement.distributed, compute=step,
+            engine=engine,
         )
         self.step = step
         if step is not None:

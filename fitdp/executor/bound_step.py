@@ -30,6 +30,7 @@ import torch.distributed as dist
 from fitdp.checks import FitdpWarning
 from fitdp.data.batch import DataBatch, axis_of, batch_axis
 from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck, slow_replicas_message
+from fitdp.executor.engines import set_sync
 from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.per_replica import weigh
@@ -71,6 +72,7 @@ class BatchStep:
         self.global_rows = mgr._global_rows if (
             mgr.distributed and is_train and mgr.loss is not None) else None
         self.autocast = mgr.autocast_dtype
+        self.ranked = mgr.execgrp.executors[0].ranked if is_train else None
 
     def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
                  total_rows: int | None = None) -> None:
@@ -93,6 +95,8 @@ class BatchStep:
         if update is not None:
             update.prepare(zero_grad, step)
             stepping = update.stepping
+            if self.ranked is not None:  # DDP/FSDP2 reduce in backward: only when stepping
+                set_sync(self.ranked, stepping)
             job.update = update if zero_grad or stepping else None
         else:
             job.update = None

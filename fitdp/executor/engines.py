@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -92,10 +92,12 @@ def check_strategy(value: Any) -> Strategy:
 
 
 def engine_for(strategy: Strategy, devices: Sequence[torch.device], world_size: int,
-               bucketed: bool = False) -> DDP | FSDP | None:
+               bucketed: bool = False, compiled: bool = False, custom_step: bool = False
+               ) -> DDP | FSDP | None:
     """The engine for a call: DDP or FSDP2 for one device per rank, None for the executor's
-    own reduction (one process, several local devices per rank, or a ``bucket_module``
-    under ``"auto"``: each bucket runs its own module, which one wrapper cannot cover).
+    own reduction (one process, several local devices per rank, or under ``"auto"`` a
+    ``bucket_module``, each bucket running its own module, which one wrapper cannot cover,
+    ``compile``, or a custom step).
 
     Raises:
         ValueError: ``"ddp"``/``"fsdp"`` that cannot work here, naming why and the fix.
@@ -103,7 +105,8 @@ def engine_for(strategy: Strategy, devices: Sequence[torch.device], world_size: 
     name = "fsdp" if isinstance(strategy, FSDP) else "ddp" if isinstance(strategy, DDP) \
         else strategy
     if name == "auto":
-        return DDP() if world_size > 1 and len(devices) == 1 and not bucketed else None
+        return DDP() if world_size > 1 and len(devices) == 1 and not (
+            bucketed or compiled or custom_step) else None
     if world_size < 2:
         raise ValueError(
             f"compile(strategy={name!r}): got one process (WORLD_SIZE={world_size}); expected "
@@ -115,6 +118,17 @@ def engine_for(strategy: Strategy, devices: Sequence[torch.device], world_size: 
             f"({[str(d) for d in devices]}); expected one device per rank ({name} wraps one "
             f"device's module). Fix: one process per device (torchrun --nproc-per-node "
             f"{len(devices)}) with devices='auto', or strategy='auto' for local replicas")
+    if compiled:
+        raise ValueError(
+            f"compile(strategy={name!r}, compile=...): got torch.compile with {name}; "
+            f"expected one of them in this version. Fix: compile=False, or strategy='auto' "
+            f"(compiled replicas with fitdp's own reduction)")
+    if custom_step:
+        raise ValueError(
+            f"compile(strategy={name!r}): got a Model that overrides train_step/compute_loss; "
+            f"expected the default step in this version (a custom step may call the module "
+            f"around {name}'s wrapper). Fix: strategy='auto' (fitdp's own reduction runs "
+            f"custom steps)")
     if bucketed:
         raise ValueError(
             f"compile(strategy={name!r}): got a Model with bucket_module; expected one module "
@@ -200,6 +214,26 @@ def engine_replica(engine: DDP | FSDP, module: nn.Module, device: torch.device,
         return wrap_ddp(module, device, engine)
     shard_fsdp(module, engine, autocast_dtype)
     return module
+
+
+def bind_engine(engine: DDP, ex: Any, masters: Sequence[nn.Parameter]) -> Callable[[], None]:
+    """Run executor ``ex``'s replica (this rank's one) under DDP from now on: forward goes
+    through the wrapper, whose bucket all-reduces overlap backward; ``ex.ranked`` names it
+    for ``set_sync`` and ``empty_share``. Returns the reduction left to the optimizer step
+    (the manager's ``cross_rank``): nothing after a backward that reduced; after backwards
+    that ran with sync off and then step (a call's first batch, stepped after its checks; an
+    epoch's last, short accumulation), every gradient all-reduced there, once."""
+    wrapped = ex.ranked = ex.fn = engine_replica(engine, ex.module, ex.device, None)
+
+    def catch_up() -> None:
+        if wrapped.require_backward_grad_sync:
+            return
+        for p in masters:
+            if p.grad is None:  # no backward reached it on this rank (an empty share)
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+
+    return catch_up
 
 
 def set_sync(wrapped: nn.Module, on: bool) -> None:

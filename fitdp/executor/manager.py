@@ -15,6 +15,7 @@ from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.bound_step import StepMixin, all_reduce
 from fitdp.executor.devices import DevicesArg, resolve_devices
+from fitdp.executor.engines import DDP, bind_engine
 from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.replica import Compute, LossFn, ModuleLoss, check_compile
@@ -53,6 +54,8 @@ class DataParallelExecutorManager(StepMixin):
         compile: ``torch.compile`` every executor.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype.
         distributed: also all-reduce gradients across the default process group.
+        engine: ``DDP`` options: this rank's one replica runs under DistributedDataParallel
+            (no flat buckets; see ``fitdp.executor.engines``), or None.
         inputs_need_grad: track the inputs' gradients in training (MXNet's bind option), read
             with ``get_input_grads``.
 
@@ -80,6 +83,7 @@ class DataParallelExecutorManager(StepMixin):
         distributed: bool = False,
         inputs_need_grad: bool = False,
         compute: Compute | None = None,
+        engine: DDP | None = None,
     ) -> None:
         checks.check_module(module)
         self.devices = resolve_devices(devices)
@@ -113,11 +117,13 @@ class DataParallelExecutorManager(StepMixin):
         self.trainable = [block[0].requires_grad for block in self.execgrp.param_arrays]
         params = [[row[d] for row, on in zip(self.execgrp.param_arrays, self.trainable) if on]
                   for d in range(len(self.devices))]
-        several = len(self.devices) > 1 or distributed
+        several = (len(self.devices) > 1 or distributed) and engine is None
         self.flat = FlatBuckets(params) if several and params[0] else None
         # The cross-rank gradient sum, bound into each step's ``Update`` (None: one process).
         self.cross_rank: Callable[[], None] | None = (
             self.flat.reduce_global if distributed and self.flat is not None else None)
+        if engine is not None:  # its buckets reduce during backward; no flat buckets here
+            self.cross_rank = bind_engine(engine, self.execgrp.executors[0], params[0])
         self._init_loads(work_load_list)
         if self._custom:  # replicas that may meet run at once (see ``compute``)
             self._speed_check = None

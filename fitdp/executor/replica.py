@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fitdp.data.batch import axis_of, batch_length, take_rows, tree_leaves, tree_map, tree_names
+from fitdp.executor.engines import empty_share
 
 # (outputs, targets) -> scalar mean loss; called (outputs, targets, sample_weight) when the
 # batch carries per-sample weights.
@@ -112,6 +113,8 @@ class Executor:
         )
         self.compiled = bool(compile)
         self.weight: float | torch.Tensor = 1.0  # this slice's share (a custom step reads it)
+        # DDP/FSDP2's module that ``fn`` runs (one device per rank; see executor.engines)
+        self.ranked: nn.Module | None = None
         self.inputs_need_grad = inputs_need_grad
         self.grad_inputs: Any = None  # the inputs autograd tracked (inputs_need_grad)
         self.signatures: set[Hashable] = set()  # input signatures compiled so far
@@ -192,6 +195,8 @@ class Executor:
         self.loss = None
         if self.rows == 0:  # a short final batch left this device idle
             self.outputs = None
+            if is_train and self.ranked is not None:  # DDP/FSDP2: the step's collectives
+                empty_share(self.ranked, self.inputs)
             return None
         compute = compute or _outputs_only
         self._autocast, self.weight = autocast_dtype, weight
