@@ -53,9 +53,8 @@ class DataParallelExecutorManager(StepMixin):
             ``ModuleLoss(loss)``.
         compile: ``torch.compile`` every executor.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype.
-        distributed: also all-reduce gradients across the default process group.
-        engine: ``DDP`` options: this rank's one replica runs under DistributedDataParallel
-            (no flat buckets; see ``fitdp.executor.engines``), or None.
+        distributed: also all-reduce gradients across the default process group; with
+            ``engine`` (``DDP`` options) through DistributedDataParallel, no flat buckets.
         inputs_need_grad: track the inputs' gradients in training (MXNet's bind option), read
             with ``get_input_grads``.
 
@@ -120,10 +119,9 @@ class DataParallelExecutorManager(StepMixin):
         several = (len(self.devices) > 1 or distributed) and engine is None
         self.flat = FlatBuckets(params) if several and params[0] else None
         # The cross-rank gradient sum, bound into each step's ``Update`` (None: one process).
-        self.cross_rank: Callable[[], None] | None = (
+        self.cross_rank: Callable[[], None] | None = bind_engine(  # (DDP: during backward)
+            engine, self.execgrp.executors[0], params[0]) if engine is not None else (
             self.flat.reduce_global if distributed and self.flat is not None else None)
-        if engine is not None:  # its buckets reduce during backward; no flat buckets here
-            self.cross_rank = bind_engine(engine, self.execgrp.executors[0], params[0])
         self._init_loads(work_load_list)
         if self._custom:  # replicas that may meet run at once (see ``compute``)
             self._speed_check = None
@@ -168,7 +166,6 @@ class DataParallelExecutorManager(StepMixin):
         group = self._group_of(data_batch)
         group.load_data_batch(data_batch, self._slices_for(data_batch.batch_size))
 
-
     def _group_of(self, data_batch: DataBatch, checked: bool = False
                   ) -> DataParallelExecutorGroup:
         """The batch's bucket group, made current (its rows checked first, unless
@@ -177,15 +174,12 @@ class DataParallelExecutorManager(StepMixin):
             data_batch.check_rows()
         if self.bucket_module is None:
             return self.execgrp  # the only group, always current
-        key = data_batch.bucket_key
-        if key is None:
-            key = self.default_bucket_key
+        key = self.default_bucket_key if data_batch.bucket_key is None else data_batch.bucket_key
         try:
             group = self.groups.get(key)
         except TypeError:  # unhashable: _bucket_group says so clearly
             group = None
-        if group is None:
-            group = self._bucket_group(key)
+        group = self._bucket_group(key) if group is None else group
         self.curr_execgrp = group
         return group
 
