@@ -162,3 +162,16 @@ def test_ddp_fit_equals_one_process_on_the_whole_batch(tmp_path):
         got = torch.load(tmp_path / f"ddp-{name}.pt", weights_only=True)
         for k, v in one_process(*setup).items():
             torch.testing.assert_close(got[k], v, rtol=tol, atol=tol, msg=f"{name} {k}")
+
+
+def test_fsdp_in_fit_is_refused_before_anything_runs():
+    """FSDP2 is not bound into fit's step yet: a clear error, not fitdp's own reduction
+    running silently under the name 'fsdp'."""
+    from fitdp.call.ranks import Ranks
+    from fitdp.call.replicas import Placement, Replicas
+
+    model = fitdp.Model(nn.Linear(3, 2))
+    model.compile(optimizer="sgd", loss="mse", strategy="fsdp")
+    placement = Placement((CPU,), (1.0,), Ranks(rank=0, world_size=2))
+    with pytest.raises(ValueError, match="not yet bound into fit"):
+        Replicas(model.module, None, placement, model._trainer)
