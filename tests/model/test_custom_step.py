@@ -5,8 +5,10 @@ Keras's semantics (keras/src/backend/torch/trainer.py, ``TorchTrainer.train_step
 gets ``data`` and unpacks ``x, y, sample_weight`` (``data_adapter_utils.
 unpack_x_y_sample_weight``), calls ``y_pred = self(x, training=True)`` and
 ``loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-training=True)``; ``test_step`` runs ``self(x, training=False)``; ``predict_step`` returns
-``self(x, training=False)``. The guide "Customizing what happens in fit() with PyTorch"
+training=True)``, then backward and ``optimizer.apply`` itself, and returns
+``compute_metrics(x, y, y_pred, sample_weight)`` (fitdp's step returns the loss and fitdp
+takes the update, docs/custom-fit.md's table); ``test_step`` runs ``self(x, training=False)``;
+``predict_step`` returns ``self(x, training=False)``. The guide "Customizing what happens in fit() with PyTorch"
 overrides these, and ends with a GAN taking a discriminator step then a generator step.
 """
 
