@@ -8,8 +8,9 @@ unpack_x_y_sample_weight``), calls ``y_pred = self(x, training=True)`` and
 training=True)``, then backward and ``optimizer.apply`` itself, and returns
 ``compute_metrics(x, y, y_pred, sample_weight)`` (fitdp's step returns the loss and fitdp
 takes the update, docs/custom-fit.md's table); ``test_step`` runs ``self(x, training=False)``;
-``predict_step`` returns ``self(x, training=False)``. The guide "Customizing what happens in fit() with PyTorch"
-overrides these, and ends with a GAN taking a discriminator step then a generator step.
+``predict_step`` returns ``self(x, training=False)``. The guide "Customizing what happens
+in fit() with PyTorch" overrides these, and ends with a GAN taking a discriminator step
+then a generator step.
 """
 
 from __future__ import annotations
