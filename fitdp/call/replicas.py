@@ -120,7 +120,11 @@ class Replicas:
 
     def prepare(self, plan: SourcePlan) -> None:
         """Before the first step: input buffers for the largest batch, and every bucket's
-        executor group (a ``bucket_module`` that cannot share a parameter fails now)."""
+        executor group (a ``bucket_module`` that cannot share a parameter fails now); with
+        compile, the caller's dynamo/inductor settings as they are now, for the replica
+        threads (thread-local, see ``fitdp.executor.compile_config``)."""
+        if self.manager.compile_config is not None:
+            self.manager.compile_config.capture()
         if plan.inputs:
             self.manager.reserve(list(plan.inputs))
         self.manager.prepare_buckets(plan.bucket_keys)

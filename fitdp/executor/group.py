@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fitdp.data.batch import DataBatch, axis_of
+from fitdp.executor.compile_config import CompileConfig
 from fitdp.executor.per_replica import (
     Count,
     Job,
@@ -41,6 +42,7 @@ class DataParallelExecutorGroup:
         workers: the manager's device threads.
         bucket_key: the bucket this group runs (None without bucketing).
         compile: ``torch.compile`` each replica (one graph per input shape).
+        compile_config: the caller's compile settings for the replica threads, or None.
         logger: where the bucketing re-allocation warning goes (default: ``fitdp``).
         inputs_need_grad: track gradients of the inputs (``get_input_grads``).
 
@@ -62,13 +64,14 @@ class DataParallelExecutorGroup:
         compile: bool | str = False,
         logger: logging.Logger | None = None,
         inputs_need_grad: bool = False,
+        compile_config: CompileConfig | None = None,
     ) -> None:
         self.bucket_key = bucket_key
         self.workers = workers
         self.logger = logger or logging.getLogger("fitdp")
         self.executors = [
             Executor(m, d, b, compile=compile, warn_on_grow=bucket_key is not None,
-                     inputs_need_grad=inputs_need_grad)
+                     inputs_need_grad=inputs_need_grad, compile_config=compile_config)
             for m, d, b in zip(modules, devices, shared_buffers)
         ]
         named = [dict(m.named_parameters()) for m in modules]

@@ -14,6 +14,7 @@ from fitdp.data.batch import DataBatch, take_rows, tree_map
 from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.bound_step import StepMixin, all_reduce
+from fitdp.executor.compile_config import CompileConfig
 from fitdp.executor.devices import DevicesArg, resolve_devices
 from fitdp.executor.engines import DDP, bind_engine
 from fitdp.executor.flat_buckets import FlatBuckets
@@ -95,6 +96,7 @@ class DataParallelExecutorManager(StepMixin):
         self.compute: Compute = compute if compute is not None else ModuleLoss(loss)
         self._custom = compute is not None
         self.compile = compile
+        self.compile_config = CompileConfig() if compile else None  # for replica threads
         self.autocast_dtype = autocast_dtype
         self.distributed = distributed
         self.bucket_module = bucket_module
@@ -372,7 +374,7 @@ class DataParallelExecutorManager(StepMixin):
         group = DataParallelExecutorGroup(
             modules, self.devices, self.shared_buffers, self.workers,
             bucket_key=key, compile=self.compile, logger=self.logger,
-            inputs_need_grad=self.inputs_need_grad,
+            inputs_need_grad=self.inputs_need_grad, compile_config=self.compile_config,
         )
         if self.monitor is not None:
             self._install(group)

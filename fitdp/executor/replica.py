@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fitdp.data.batch import axis_of, batch_length, take_rows, tree_leaves, tree_map, tree_names
+from fitdp.executor.compile_config import CompileConfig
 from fitdp.executor.engines import empty_share
 
 # (outputs, targets) -> scalar mean loss; called (outputs, targets, sample_weight) when the
@@ -81,6 +82,8 @@ class Executor:
         shared_buffers: name -> (flat buffer, shape it was allocated for); one dict per
             device, shared by every bucket's executor on that device.
         compile: wrap the replica with ``torch.compile`` (a string: its ``mode``).
+        compile_config: the caller's dynamo/inductor settings, taken over by this replica's
+            thread before it compiles a shape (see ``fitdp.executor.compile_config``).
         warn_on_grow: record in ``grown`` each input that outgrows its shared buffer, for the
             group to log the seed's warning (bucketing: the default bucket should be the
             largest).
@@ -101,8 +104,10 @@ class Executor:
         compile: bool | str = False,
         warn_on_grow: bool = False,
         inputs_need_grad: bool = False,
+        compile_config: CompileConfig | None = None,
     ) -> None:
         self.module = module
+        self.compile_config = compile_config  # the caller's settings, for this thread
         self.warn_on_grow = warn_on_grow
         self.device = device
         self.shared_buffers = shared_buffers
@@ -281,6 +286,8 @@ class Executor:
             self.grad_inputs = inputs
         if first:
             with _COMPILE_LOCK:  # see _COMPILE_LOCK
+                if self.compile_config is not None:
+                    self.compile_config.apply()  # thread-local since torch 2.12
                 return call_module(self.fn, inputs)
         return call_module(self.fn, inputs)
 
