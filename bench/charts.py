@@ -96,6 +96,15 @@ def bucketing(data: dict[str, Any], path: Path, note: str) -> None:
           note)
 
 
+def replica_memory(data: dict[str, Any], path: Path, note: str) -> None:
+    median = {int(n): v / 2**20 for n, v in data["median_bytes"].items()}
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    _bars(ax, [f"{n} replica(s)" for n in sorted(median)], [median[n] for n in sorted(median)],
+          [FITDP] * len(median), f"MLP {'-'.join(map(str, data['sizes']))}, SGD",
+          "median peak RSS, MiB (lower is better)", "{:,.0f}")
+    _save(fig, path, "Peak memory of CPU replicas", note)
+
+
 def distributed(data: dict[str, Any], path: Path, note: str) -> None:
     rows = data["rows"]
     keys = [k for k in DIST_NAMES if k in rows]

@@ -56,6 +56,7 @@ BENCHES = (
     Bench("keras_peer", "keras_peer.py", ("--quick",), 600, needs="keras"),
     Bench("checkpoint", "checkpoint.py", ("--quick",), 600),
     Bench("bucketing", "bucketing.py", ("--quick",), 900),
+    Bench("replica_memory", "replica_memory.py", ("--quick",), 600),
     # Quick: (a) and (b) only; the Lightning and one-process launches add ~30 s of start-up.
     Bench("distributed", "distributed.py", ("--quick", "--cases", "ab"), 900),
 )
@@ -186,12 +187,16 @@ ABOUT = {
                  "real tokens/s (padding excluded, per second of CPU time of the fastest epoch) "
                  "of three hand loops and `fitdp.BucketIterator`, and the memory of 20 buckets "
                  "against the largest bucket alone.",
+    "replica_memory": "Peak RSS of a 21M-parameter MLP trained with SGD on 1, 2 and 3 CPU "
+                      "replicas (median of fresh processes): what one extra replica costs, as "
+                      "a multiple of the weights' bytes (docs/devices.md gives the arithmetic).",
     "distributed": "The same MLP, data and order under torchrun (2 ranks, gloo on 127.0.0.1): "
                    "fitdp against a hand-written `DistributedDataParallel` loop and Lightning; "
                    "and fitdp in one process with two replica threads.",
 }
 TITLES = {"overhead": "Overhead per step", "checkpoint": "Checkpoints",
-          "bucketing": "Bucketing", "distributed": "Distributed (torchrun, CPU)"}
+          "bucketing": "Bucketing", "replica_memory": "Memory per CPU replica",
+          "distributed": "Distributed (torchrun, CPU)"}
 
 
 def build(name: str, outcomes: dict[str, Outcome], img: Path, note: str,
@@ -204,6 +209,7 @@ def build(name: str, outcomes: dict[str, Outcome], img: Path, note: str,
         "overhead": (summary.overhead, charts.overhead, (outcomes["keras_peer"].data,)),
         "checkpoint": (summary.checkpoint, charts.checkpoint, ()),
         "bucketing": (summary.bucketing, charts.bucketing, ()),
+        "replica_memory": (summary.replica_memory, charts.replica_memory, ()),
         "distributed": (summary.distributed, charts.distributed, ()),
     }
     tables, chart, extra = makers[name]

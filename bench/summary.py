@@ -208,6 +208,21 @@ def bucketing(data: dict[str, Any]) -> tuple[list[Ratio], Table]:
     return rows, Table(headers, detail)
 
 
+def replica_memory(data: dict[str, Any]) -> tuple[list[Ratio], Table]:
+    """Peak RSS per extra CPU replica over the weights' bytes (bench/replica_memory.py)."""
+    mib, weights = 2**20, data["weights_bytes"]
+    median = {int(n): v for n, v in data["median_bytes"].items()}
+    steps = "; ".join(f"{k}: {v:.2f}x" for k, v in data["steps"].items())
+    rows = [Ratio("replica_memory", "peak RSS per extra CPU replica, MLP "
+                  f"{'-'.join(map(str, data['sizes']))} + SGD: x the weights",
+                  f"weights {weights / mib:.1f} MiB", f"{data['per_extra_replica']:.2f}x",
+                  None, data["per_extra_replica"], "<=", data["target"], [f"steps {steps}"])]
+    detail = [[f"{n} CPU replica(s)", f"{v / mib:.1f}", f"{(v - median[1]) / weights:.2f}x"]
+              for n, v in sorted(median.items())]
+    return rows, Table(["devices", "median peak RSS MiB", "above 1 replica, x the weights"],
+                       detail)
+
+
 DIST_NAMES = {
     "a": "(a) fitdp, torchrun 2 ranks",
     "b": "(b) hand DDP loop, torchrun 2 ranks",

@@ -62,8 +62,11 @@ def average_into(dst: torch.Tensor, block: Sequence[torch.Tensor]) -> None:
             if block[0].data_ptr() != dst.data_ptr():
                 dst.copy_(block[0])
             return
+        # dst may be the first replica itself (device 0's replica holds the host's weights):
+        # the mean is elementwise, so it is written over it in place, without a scratch copy.
         direct = dst.device == block[0].device and dst.dtype == block[0].dtype and \
-            block[0].is_floating_point() and all(t.data_ptr() != dst.data_ptr() for t in block)
+            block[0].is_floating_point() and all(t.data_ptr() != dst.data_ptr()
+                                                 for t in block[1:])
         if direct:  # the CPU replicas' path: one pass, written straight into dst
             replica_mean(block, out=dst)
         else:

@@ -208,10 +208,9 @@ class StepMixin:
         sharded = (optimizer is not None and self._shardable and scaler is None
                    and clip_norm is None and self.cross_rank is None
                    and ShardedStep.supports(optimizer))
-        cpu = all(d.type == "cpu" for d in self.devices)
         return Update(self.flat, self.master_parameters(), optimizer,
                       len(self.devices) if sharded else 1, scaler=scaler, clip_norm=clip_norm,
-                      cross_rank=self.cross_rank, fresh_ok=cpu)
+                      cross_rank=self.cross_rank)
 
     def manual_update(self, optimizer: torch.optim.Optimizer, *,
                       scaler: torch.amp.GradScaler | None = None,
@@ -225,7 +224,7 @@ class StepMixin:
         if update is None or not update.fits(optimizer):
             update = self._manual[key] = Update(
                 self.flat, self.master_parameters(), optimizer, 1, scaler=scaler,
-                clip_norm=clip_norm, cross_rank=self.cross_rank, fresh_ok=False)
+                clip_norm=clip_norm, cross_rank=self.cross_rank)
         return update
 
     def run_batch(

@@ -20,7 +20,7 @@ from fitdp.executor.engines import DDP, bind_engine
 from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.replica import Compute, LossFn, ModuleLoss, check_compile
-from fitdp.executor.sharing import bucket_replicas, check_unique_names, hashable, replica
+from fitdp.executor.sharing import bucket_replicas, check_unique_names, device_replicas, hashable
 from fitdp.executor.slicing import device_slices
 from fitdp.executor.workers import DeviceWorkers
 
@@ -106,10 +106,10 @@ class DataParallelExecutorManager(StepMixin):
             {} for _ in self.devices
         ]
         self.monitor: Any = None
-        # One device: the module itself is the replica (no copy, no sync). Several: every
-        # replica is a copy, so averaging into the host never disturbs a replica.
-        single = len(self.devices) == 1
-        replicas = [replica(module, d, share=single) for d in self.devices]
+        # One device: the module itself is the replica. Several: see ``device_replicas``.
+        several = (len(self.devices) > 1 or distributed) and engine is None  # DDP: no buckets
+        sources = [p for p in module.parameters() if p.requires_grad] if several else []
+        replicas = device_replicas(module, self.devices, sources)
         self.execgrp = self._group(replicas, default_bucket_key)
         self.groups: dict[Hashable, DataParallelExecutorGroup] = {default_bucket_key: self.execgrp}
         self.curr_execgrp = self.execgrp
@@ -118,8 +118,9 @@ class DataParallelExecutorManager(StepMixin):
         self.trainable = [block[0].requires_grad for block in self.execgrp.param_arrays]
         params = [[row[d] for row, on in zip(self.execgrp.param_arrays, self.trainable) if on]
                   for d in range(len(self.devices))]
-        several = (len(self.devices) > 1 or distributed) and engine is None
-        self.flat = FlatBuckets(params) if several and params[0] else None
+        # Gradient buckets for ranks (all-reduced) and GPUs; CPU replicas: see ``FlatBuckets``.
+        grads = distributed or any(d.type != "cpu" for d in self.devices)
+        self.flat = FlatBuckets(params, sources=sources, grads=grads) if sources else None
         # The cross-rank gradient sum, bound into each step's ``Update`` (None: one process).
         self.cross_rank: Callable[[], None] | None = bind_engine(  # (DDP: during backward)
             engine, self.execgrp.executors[0], params[0]) if engine is not None else (

@@ -102,12 +102,43 @@ def bucket_replicas(bucket_module: Callable[[Any], nn.Module] | None, key: Hasha
     return modules
 
 
-def replica(module: nn.Module, device: torch.device, share: bool) -> nn.Module:
-    """``module`` itself when ``share`` and it already lives on ``device``, else a copy."""
+def replica(module: nn.Module, device: torch.device, share: bool, *,
+            reuse: Sequence[nn.Parameter] = (), hollow: Sequence[nn.Parameter] = ()
+            ) -> nn.Module:
+    """``module`` itself when ``share`` and it already lives on ``device``, else a copy.
+
+    A copy keeps the parameters in ``reuse`` as they are (the same objects: device 0's
+    replica on the host's device holds the host's weights, not a second copy of them) and
+    gets an empty placeholder on ``device`` for each one in ``hollow`` (``FlatBuckets`` with
+    ``sources`` gives it storage, so those weights are never allocated twice); everything
+    else (buffers, other parameters) is copied.
+    """
     tensors = [*module.parameters(), *module.buffers()]
     if share and all(t.device == device for t in tensors):
         return module
-    return copy.deepcopy(module).to(device)
+    memo: dict[int, Any] = {id(p): p for p in reuse}
+    for p in hollow:
+        memo[id(p)] = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
+                                   requires_grad=p.requires_grad)
+    return copy.deepcopy(module, memo).to(device)
+
+
+def device_replicas(module: nn.Module, devices: Sequence[torch.device],
+                    sources: Sequence[nn.Parameter]) -> list[nn.Module]:
+    """One replica of ``module`` per device (the manager's), holding each weight once.
+
+    One device: ``module`` itself. Several, with flat buckets to come (``sources``: the
+    host's trainable parameters, ``FlatBuckets``'s ``sources``): device 0's replica on the
+    host's device keeps the host's parameter objects (they agree after every step, so the
+    host is no second copy of them and averaging into it changes nothing there), and every
+    other replica gets hollow ones that the buckets fill straight from the host. Buffers are
+    always the replica's own: averaging them into the host never disturbs a replica.
+    """
+    first = devices[0]
+    here = all(t.device == first for t in [*module.parameters(), *module.buffers()])
+    return [replica(module, d, share=len(devices) == 1, reuse=sources if i == 0 and here else (),
+                    hollow=() if i == 0 and here else sources)
+            for i, d in enumerate(devices)]
 
 
 def hashable(key: Any) -> bool:

@@ -17,14 +17,14 @@ on the caller after the hand-off. Either way the numbers are those of one whole 
 additions in the same order, and an optimizer step that reads only its parameters' gradients
 and state.
 
-On a batch that both starts and ends an optimizer step (no gradient accumulation) on CPU
-replicas without ranks, the gradients are set to None instead of zeroed, so backward writes
-fresh ones (as a hand-written loop's ``zero_grad()`` does) rather than adding into the zeroed
-buckets: a memset and an addition over every gradient less per device (measured, whole steps
-on two CPU replicas, fresh against zeroed: MLP 1024-1024-1024-10 19.18 ms against 19.15 and
-19.51 in two runs, MLP 128-128-128-10 0.589 against 0.602). They are then added with one
-``torch._foreach_add_`` per shard and device; the buckets take the gradients again at the
-next zeroing (``FlatBuckets.zero_device``).
+On CPU replicas without ranks the buckets hold no gradients (``FlatBuckets`` says why: a
+replica then holds its weights and gradients once each): backward writes fresh gradients after
+the zeroing sets them to None, as a hand-written loop's ``zero_grad()`` does, and the reduce
+adds them with one ``torch._foreach_add_`` per shard and device, then drops the other devices'
+(so each backward counts once however often the reduce is asked). This also spares a memset
+and an addition over every gradient per device (measured, whole steps on two CPU replicas,
+fresh against zeroed buckets: MLP 1024-1024-1024-10 19.18 ms against 19.15 and 19.51 in two
+runs, MLP 128-128-128-10 0.589 against 0.602).
 """
 
 from __future__ import annotations
@@ -60,8 +60,6 @@ class Update:
         clip_norm: max global norm of the gradients, or None.
         cross_rank: sums device 0's gradient buckets across ranks (the reduction strategy;
             None: one process).
-        fresh_ok: backward may write fresh gradients on a batch that zeroes and steps (CPU
-            replicas, no ranks: see the module docstring).
 
     Example:
         >>> a, b = nn.Linear(3, 2), nn.Linear(3, 2)
@@ -75,14 +73,13 @@ class Update:
     def __init__(self, flat: FlatBuckets | None, masters: Sequence[nn.Parameter],
                  optimizer: torch.optim.Optimizer | None, shards: int = 1, *,
                  scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
-                 cross_rank: Callable[[], None] | None = None, fresh_ok: bool = True) -> None:
+                 cross_rank: Callable[[], None] | None = None) -> None:
         self.flat = flat
         self.masters = list(masters)
         self.optimizer, self.scaler, self.clip_norm = optimizer, scaler, clip_norm
         self.cross_rank = cross_rank
         self.devices = len(flat.params) if flat is not None else 1
         self.shards = max(1, min(shards, self.devices))
-        self.fresh_ok = fresh_ok and cross_rank is None
         self.size = param_count(optimizer) if optimizer is not None else 0
         # Clipping takes the norm of the gradients the optimizer steps: all of device 0's,
         # or, for one of several optimizers (``manual_update``), its own, in flat order.
@@ -99,7 +96,7 @@ class Update:
             [] for _ in range(self.shards)]
         if flat is not None:
             self._ranges(flat, owner)
-        # Per shard and device, the shard's parameters (for fresh gradients, see above).
+        # Per shard and device, the shard's parameters (fresh gradients, see above).
         self.params: list[list[list[nn.Parameter]]] = [
             [[ps[k] for k, o in enumerate(owner) if o == s] for ps in flat.params]
             for s in range(self.shards)] if flat is not None else [[self.masters]]
@@ -107,7 +104,6 @@ class Update:
         self.ok = [False] * self.devices
         self.zero = False
         self.stepping = False  # this batch ends with the optimizer step
-        self.fresh = False  # this batch's backward writes new gradients (set to None first)
         self._step_shard = self._bind_step()
 
     def _owners(self) -> list[int]:
@@ -128,10 +124,11 @@ class Update:
                 spans[owner[k]] = (lo, hi + self.masters[k].numel())
                 offset += self.masters[k].numel()
             for s, (lo, hi) in spans.items():
-                grads = [g[b][lo:hi] for g in flat.grad_flat]
                 params = [p[b][lo:hi] for p in flat.param_flat]
-                self.reduce[s].append((grads[0], grads[1:]))
                 self.broadcast[s].append((params[0], params[1:]))
+                if flat.grads:
+                    grads = [g[b][lo:hi] for g in flat.grad_flat]
+                    self.reduce[s].append((grads[0], grads[1:]))
 
     def _bind_step(self) -> Callable[[int], None]:
         """The optimizer step of one shard, chosen once: the scaler's, the sharded one, or
@@ -152,7 +149,6 @@ class Update:
     def prepare(self, zero: bool, step: bool) -> None:
         """This batch: zero the gradients first (``zero``), and step at the end (``step``)."""
         self.zero, self.stepping = zero, step and self.optimizer is not None
-        self.fresh = zero and self.stepping and self.fresh_ok
         if self.stepping and self.shards > 1:
             for event in self.arrived:
                 event.clear()
@@ -163,17 +159,14 @@ class Update:
         """Before device ``d``'s backward: its gradients to zero (on the batch that starts an
         optimizer step)."""
         if self.zero:
-            self.zero_device(d, self.fresh)
+            self.zero_device(d)
 
-    def zero_device(self, d: int, fresh: bool = False) -> None:
-        """Device ``d``'s gradients: zeroed in their buckets, or (``fresh``, or one replica
-        without buckets) set to None for backward to write anew."""
+    def zero_device(self, d: int) -> None:
+        """Device ``d``'s gradients: zeroed in place in their buckets, or (no gradient
+        buckets, or one replica) set to None for backward to write anew."""
         flat = self.flat
         if flat is None:
             for p in self.masters:
-                p.grad = None
-        elif fresh:
-            for p in flat.params[d]:
                 p.grad = None
         else:
             flat.zero_device(d)
@@ -223,12 +216,15 @@ class Update:
 
     def reduce_shard(self, s: int) -> None:
         """Shard ``s``'s gradients of every device summed into device 0's (then across the
-        ranks); the other devices' buckets are zeroed, so each backward counts once however
-        often the reduce is asked."""
+        ranks); the other devices' are zeroed (or dropped), so each backward counts once
+        however often the reduce is asked."""
         if self.flat is None:
             pass  # one replica: nothing to add
-        elif self.fresh:
+        elif not self.flat.grads:
             self._add_fresh(self.params[s])
+            for ps in self.params[s][1:]:
+                for p in ps:
+                    p.grad = None
         else:
             for acc, others in self.reduce[s]:
                 for g in others:
@@ -255,6 +251,8 @@ class Update:
             try:
                 torch._foreach_add_(acc, [p.grad for p in ps])  # type: ignore[arg-type, misc]
             except TypeError:  # a None (rare: looking for one first would cost every step)
+                if all(p.grad is None for p in ps):
+                    continue  # added and dropped already (a second reduce): nothing to add
                 # A None fails before any addition; the devices before this one are added.
                 for p in devices[0] + ps:
                     if p.grad is None:

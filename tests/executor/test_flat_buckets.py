@@ -60,3 +60,25 @@ def test_zero_grad_rebinds_a_replaced_gradient():
     first.grad = torch.ones_like(first)  # e.g. a user's hook replaced it
     Update(fb, list(mods[0].parameters()), None).zero_device(0)
     assert first.grad.data_ptr() == fb.grad_views[0][0].data_ptr() and not first.grad.any()
+
+
+def test_an_extra_cpu_replica_holds_its_weights_and_gradients_once():
+    """Bug: each CPU replica kept flat gradient buckets beside fresh .grad tensors, and the
+    host module was one more copy of the weights (~5x the weights per extra replica)."""
+    from fitdp.data.batch import DataBatch
+    from fitdp.executor.manager import DataParallelExecutorManager
+
+    host = replicas(1)[0]
+    host_params = list(host.parameters())
+    mgr = DataParallelExecutorManager(host, ["cpu", "cpu"], loss=nn.functional.cross_entropy)
+    opt = torch.optim.SGD(mgr.master_parameters(), lr=0.1)
+    mgr.run_batch(DataBatch(torch.randn(6, 5), torch.tensor([0, 1] * 3)), True,
+                  zero_grad=True, optimizer=opt)
+    # Device 0's replica holds the host's own parameters, in its flat bucket.
+    assert [p is q for p, q in zip(mgr.master_parameters(), host_params)] == [True] * 4
+    for d in range(2):
+        flats = {t.untyped_storage().data_ptr() for t in mgr.flat.param_flat[d]}
+        row = [block[d] for block in mgr.param_arrays]
+        assert {p.untyped_storage().data_ptr() for p in row} <= flats
+    assert mgr.flat.grad_flat == [[], []]  # no gradient bucket beside the gradients
+    assert all(block[1].grad is None for block in mgr.param_arrays)  # added, then dropped
