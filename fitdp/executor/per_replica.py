@@ -209,8 +209,8 @@ def weigh(job: Job, total_rows: int | torch.Tensor, counter: Count | None,
             weights[d], counts[d] = job.valid[d] / denom_f, None
     batch = job.batch
     if counter is None or (len(executors) == 1 and global_count is None) or (
-            batch.sample_weight is not None):
-        return  # sample weights mean over rows (Keras's sum_over_batch_size)
+            batch.sample_weight is not None) or batch.label is None:
+        return  # sample weights mean over rows (Keras's sum_over_batch_size); no targets
     if global_count is None and all(ex.device.type == "cpu" for ex in executors):
         # From the batch's label rows: no device needs its slice loaded first (counted on
         # device 0's thread during the hand-off, the few small ops queued for the GIL behind
