@@ -1,7 +1,7 @@
 """One rank of a 2-process gloo job on 127.0.0.1, launched via torchrun by
 tests/distributed/test_distributed.py.
 
-Usage: torchrun ... worker.py SCENARIO OUT_DIR
+Usage: torchrun ... worker.py SCENARIO[+SCENARIO...] OUT_DIR   (each writes in OUT_DIR/SCENARIO)
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -41,9 +42,9 @@ def model(**compile_kw) -> fitdp.Model:
 class Fault(Callback):
     """Rank 1 misbehaves after step 2: raises, dies or stalls."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, out: str) -> None:
         super().__init__()
-        self.kind = kind
+        self.kind, self.out = kind, out
 
     def on_train_batch_end(self, batch, logs=None):
         if RANK != 1 or self.model.global_step != 2:
@@ -54,56 +55,90 @@ class Fault(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "stall":
             time.sleep(3600)
-        if self.kind == "kill_once" and not os.path.exists(os.path.join(OUT, "killed")):
-            open(os.path.join(OUT, "killed"), "w").close()
+        if self.kind == "kill_once" and not os.path.exists(os.path.join(self.out, "killed")):
+            open(os.path.join(self.out, "killed"), "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save(name: str, obj) -> None:
+def save(out: str, name: str, obj) -> None:
     if RANK == 0:
-        torch.save(obj, os.path.join(OUT, name))
+        torch.save(obj, os.path.join(out, name))
 
 
-x, y = data()
-if SCENARIO in ("train", "train_local2"):
+def train(out: str) -> None:
     m = model()
-    devices = ["cpu", "cpu"] if SCENARIO == "train_local2" else "auto"
-    m.fit(x, y, batch_size=5, epochs=2, shuffle=False, devices=devices, verbose=0)
-    save("weights.pt", m.module.state_dict())
-elif SCENARIO == "metrics":
+    m.fit(x, y, batch_size=5, epochs=2, shuffle=False, devices="auto", verbose=0)
+    save(out, "weights.pt", m.module.state_dict())
+
+
+def train_local2(out: str) -> None:
+    m = model()
+    m.fit(x, y, batch_size=5, epochs=2, shuffle=False, devices=["cpu", "cpu"], verbose=0)
+    save(out, "weights.pt", m.module.state_dict())
+
+
+def metrics(out: str) -> None:
     m = model(metrics=[MulticlassAccuracy(num_classes=3)])
     x, y = data(37)  # does not divide by the world size nor by the batch
     logs = m.evaluate(x, y, batch_size=4, verbose=0)
     preds = m.predict(x, batch_size=4)
-    save("metrics.pt", {"logs": logs, "preds": preds, "weights": m.module.state_dict()})
-elif SCENARIO in ("raise", "kill", "stall"):
-    m = model()
-    m.fit(x, y, batch_size=5, epochs=3, verbose=0, timeout=8, callbacks=[Fault(SCENARIO)])
-elif SCENARIO == "raise_slow_exit":
+    save(out, "metrics.pt", {"logs": logs, "preds": preds, "weights": m.module.state_dict()})
+
+
+def fault(kind: str) -> Callable[[str], None]:
+    def run(out: str) -> None:
+        m = model()
+        m.fit(x, y, batch_size=5, epochs=3, verbose=0, timeout=8, callbacks=[Fault(kind, out)])
+    return run
+
+
+def raise_slow_exit(out: str) -> None:
     # Rank 1 raises, leaves the process group, and is slow to exit (a big interpreter's
     # teardown): its peer's collective fails while rank 1 is still running.
     if RANK == 1:
         atexit.register(time.sleep, 1.5)  # runs after fitdp's own exit handler
-    m = model()
-    m.fit(x, y, batch_size=5, epochs=3, verbose=0, timeout=8, callbacks=[Fault("raise")])
-elif SCENARIO in ("restart", "uninterrupted"):
-    m = model()
-    cbs = [BackupAndRestore(os.path.join(OUT, "backup"), save_freq=1)]
-    if SCENARIO == "restart":
-        cbs.append(Fault("kill_once"))
-    m.fit(x, y, batch_size=5, epochs=3, seed=3, verbose=0, callbacks=cbs)
-    save("weights.pt", m.module.state_dict())
-elif SCENARIO == "stop_with_checkpoint":
+    fault("raise")(out)
+
+
+def resumable(kill: bool) -> Callable[[str], None]:
+    def run(out: str) -> None:
+        m = model()
+        cbs: list[Callback] = [BackupAndRestore(os.path.join(out, "backup"), save_freq=1)]
+        if kill:
+            cbs.append(Fault("kill_once", out))
+        m.fit(x, y, batch_size=5, epochs=3, seed=3, verbose=0, callbacks=cbs)
+        save(out, "weights.pt", m.module.state_dict())
+    return run
+
+
+def stop_with_checkpoint(out: str) -> None:
     m = model()
 
     def stop(batch, logs):
         m.stop_training = m.global_step == 5
 
-    ckpt = ModelCheckpoint(os.path.join(OUT, "c.ckpt"), save_freq=1, monitor="loss")
+    ckpt = ModelCheckpoint(os.path.join(out, "c.ckpt"), save_freq=1, monitor="loss")
     m.fit(x, y, batch_size=5, epochs=2, seed=3, verbose=0,
           callbacks=[ckpt, LambdaCallback(on_train_batch_end=stop)])
-elif SCENARIO == "uneven":
+
+
+def uneven(out: str) -> None:
     x, y = data(45 if RANK == 0 else 40)  # each rank passed its own, different data
     model().fit(x, y, batch_size=5, verbose=0, timeout=20)
-else:
-    raise SystemExit(f"unknown scenario {SCENARIO}")
+
+
+SCENARIOS: dict[str, Callable[[str], None]] = {
+    "train": train, "train_local2": train_local2, "metrics": metrics,
+    "raise": fault("raise"), "kill": fault("kill"), "stall": fault("stall"),
+    "raise_slow_exit": raise_slow_exit, "restart": resumable(kill=True),
+    "uninterrupted": resumable(kill=False), "stop_with_checkpoint": stop_with_checkpoint,
+    "uneven": uneven,
+}
+
+x, y = data()
+for name in SCENARIO.split("+"):  # one process group for all: each torchrun start costs ~10 s
+    if name not in SCENARIOS:
+        raise SystemExit(f"unknown scenario {name}")
+    folder = os.path.join(OUT, name)
+    os.makedirs(folder, exist_ok=True)
+    SCENARIOS[name](folder)
