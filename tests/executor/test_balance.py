@@ -130,8 +130,10 @@ def test_auto_loads_balance_a_slowed_replica_and_keep_the_whole_batch_update(cap
     mgr = DataParallelExecutorManager(host, ["cpu", "cpu"], work_load_list="auto",
                                       loss=Objective("cross_entropy"))
     mgr._speed_check = None
-    mgr.execgrp.executors[0].module.delay = 0.0001
-    mgr.execgrp.executors[1].module.delay = 0.0003  # a third of device 0's speed
+    # Half a ms per row: a share takes 10-40 ms, well above the few ms a thread waits for
+    # a core on a loaded 2-core machine (at 0.1 ms per row it failed 1 run in 4 at load 6).
+    mgr.execgrp.executors[0].module.delay = 0.0005
+    mgr.execgrp.executors[1].module.delay = 0.0015  # a third of device 0's speed
     opt = torch.optim.SGD(mgr.master_parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(3)
