@@ -116,18 +116,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 repeat")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 1 repeat, a fifth of the steps (as replicas.py)")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
+
+    def steps(n: int) -> int:  # a quick run checks that each case runs, not its timing
+        return max(2, n // 5) if args.quick else n
+
     torch.set_num_threads(1)
     load = os.getloadavg()
     sync = args.device.startswith("cuda")
     results: dict[str, dict[str, float | str]] = {}
     print(f"{'case (fitdp vs hand loop)':<46} {'fitdp':>12}  {'hand':>12}")
     for name, sizes, bs, n in [
-        ("tiny MLP 32-64-64-10, batch 32", [32, 64, 64, 10], 32, 32 * 200),
-        ("MLP 784-512-512-10, batch 256", [784, 512, 512, 10], 256, 256 * 20),
+        ("tiny MLP 32-64-64-10, batch 32", [32, 64, 64, 10], 32, 32 * steps(200)),
+        ("MLP 784-512-512-10, batch 256", [784, 512, 512, 10], 256, 256 * steps(20)),
     ]:
         torch.manual_seed(0)
         x, y = torch.randn(n, sizes[0]), torch.randint(0, 10, (n,))
@@ -139,7 +144,7 @@ def main() -> None:
     # An overridden train_step against the built-in step, same model and data.
     name = "own train_step / built-in, 784-512-512-10, b256"
     torch.manual_seed(0)
-    n, bs = 256 * 20, 256
+    n, bs = 256 * steps(20), 256
     x, y = torch.randn(n, 784), torch.randint(0, 10, (n,))
     net = mlp([784, 512, 512, 10])
     results["custom"] = compare(
@@ -148,7 +153,7 @@ def main() -> None:
     )
     # Scaling: two replicas (one thread each) against one replica, same work.
     torch.manual_seed(0)
-    n, bs = 256 * 8, 256
+    n, bs = 256 * steps(8), 256
     x, y = torch.randn(n, 1024), torch.randint(0, 10, (n,))
     net = mlp([1024, 1024, 1024, 10])
     two = [args.device, args.device]
