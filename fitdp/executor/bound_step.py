@@ -72,7 +72,8 @@ class BatchStep:
         self.global_rows = mgr._global_rows if (
             mgr.distributed and is_train and mgr.loss is not None) else None
         self.autocast = mgr.autocast_dtype
-        self.ranked = mgr.execgrp.executors[0].ranked if is_train else None
+        # DDP's module, read per batch through the executor (dropped at exit, see engines)
+        self.lead = mgr.execgrp.executors[0] if is_train else None
 
     def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
                  total_rows: int | None = None) -> None:
@@ -95,8 +96,9 @@ class BatchStep:
         if update is not None:
             update.prepare(zero_grad, step)
             stepping = update.stepping
-            if self.ranked is not None:  # DDP/FSDP2 reduce in backward: only when stepping
-                set_sync(self.ranked, stepping)
+            ranked = self.lead.ranked if self.lead is not None else None
+            if ranked is not None:  # DDP reduces in backward: only on the batch that steps
+                set_sync(ranked, stepping)
             job.update = update if zero_grad or stepping else None
         else:
             job.update = None

@@ -15,8 +15,11 @@ batches therefore still give the whole-batch gradient.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -223,10 +226,14 @@ def bind_engine(engine: DDP, ex: Any, masters: Sequence[nn.Parameter]) -> Callab
     (the manager's ``cross_rank``): nothing after a backward that reduced; after backwards
     that ran with sync off and then step (a call's first batch, stepped after its checks; an
     epoch's last, short accumulation), every gradient all-reduced there, once."""
-    wrapped = ex.ranked = ex.fn = engine_replica(engine, ex.module, ex.device, None)
+    ex.ranked = ex.fn = engine_replica(engine, ex.module, ex.device, None)
+    # DDP's reducer must be gone before the process group is torn down at exit (a rank
+    # aborted there once: "terminate called without an active exception"). Registered
+    # after the join's exit hook, so it runs first.
+    atexit.register(_unbind, weakref.ref(ex))
 
-    def catch_up() -> None:
-        if wrapped.require_backward_grad_sync:
+    def catch_up() -> None:  # (reads the wrapper through ``ex``: see _unbind)
+        if ex.ranked is None or ex.ranked.require_backward_grad_sync:
             return
         for p in masters:
             if p.grad is None:  # no backward reached it on this rank (an empty share)
@@ -234,6 +241,13 @@ def bind_engine(engine: DDP, ex: Any, masters: Sequence[nn.Parameter]) -> Callab
             dist.all_reduce(p.grad)
 
     return catch_up
+
+
+def _unbind(ref: weakref.ref[Any]) -> None:
+    ex = ref()
+    if ex is not None and ex.ranked is not None:
+        ex.fn, ex.ranked = ex.module, None
+        gc.collect()
 
 
 def set_sync(wrapped: nn.Module, on: bool) -> None:

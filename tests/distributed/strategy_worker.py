@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fitdp
@@ -21,14 +23,27 @@ torch.set_num_threads(1)
 # (name, optimizer, grad_accum_steps, grad_clip_norm, precision): each runs under each strategy
 SETUPS = [("sgd", "sgd", 1, None, "32"), ("adamw", "adamw", 2, 0.05, "bf16-mixed")]
 bound: list[str] = []
+alive: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every engine wrapper fit made
 for name in ("wrap_ddp", "shard_fsdp"):  # count the engines fit binds
     real = getattr(engines, name)
 
     def counted(*args, _real=real, _name=name, **kwargs):
         bound.append(_name)
-        return _real(*args, **kwargs)
+        wrapper = _real(*args, **kwargs)
+        alive.add(wrapper)
+        return wrapper
 
     setattr(engines, name, counted)
+teardown = dist.destroy_process_group
+
+
+def destroy(*args, **kwargs):
+    """At exit, fitdp tears the process group down: no DDP reducer may be alive then."""
+    print(f"rank {RANK} DDP wrappers alive at teardown: {len(alive)}", flush=True)
+    teardown(*args, **kwargs)
+
+
+dist.destroy_process_group = destroy
 
 
 def data(n: int = 44) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,6 +157,9 @@ def test_ddp_fit_equals_one_process_on_the_whole_batch(tmp_path):
     code, output, _ = launch("", tmp_path, script=[worker, str(tmp_path), "ddp"])
     assert code == 0, output
     assert output.count("bound ['wrap_ddp'] 2 times") == 2, output
+    # Regression: the models' DDP reducers outlived the process group at exit (a rank can
+    # abort there: "terminate called without an active exception").
+    assert output.count("DDP wrappers alive at teardown: 0") == 2, output
     for name, setup, tol in (("sgd", ("sgd", 1, None, "32"), 1e-5),
                              ("adamw", ("adamw", 2, 0.05, "bf16-mixed"), 2e-2)):
         got = torch.load(tmp_path / f"ddp-{name}.pt", weights_only=True)
