@@ -82,8 +82,7 @@ class Executor:
         shared_buffers: name -> (flat buffer, shape it was allocated for); one dict per
             device, shared by every bucket's executor on that device.
         compile: wrap the replica with ``torch.compile`` (a string: its ``mode``).
-        compile_config: the caller's dynamo/inductor settings, taken over by this replica's
-            thread before it compiles a shape (see ``fitdp.executor.compile_config``).
+        compile_config: the caller's compile settings, set on this thread to compile.
         warn_on_grow: record in ``grown`` each input that outgrows its shared buffer, for the
             group to log the seed's warning (bucketing: the default bucket should be the
             largest).
