@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 # torch.compiler.config holds the settings the other two alias (force_disable_caches, ...).
 MODULES = ("torch.compiler.config", "torch._dynamo.config", "torch._inductor.config")
@@ -67,3 +70,16 @@ class CompileConfig:
             for key, value in values.items():
                 if key not in MANAGED and key in mine and mine[key] != value:
                     setattr(config, key, value)
+
+
+def check_compile(compile: bool | str, devices: Sequence[torch.device]) -> None:
+    """Refuse what cannot work: before torch 2.13, inductor's CUDA-graph state lives on the
+    thread that first used it (pytorch#123177), so ``"reduce-overhead"`` throws on the second
+    replica's thread."""
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if compile == "reduce-overhead" and len(devices) > 1 and version < (2, 13):
+        raise ValueError(
+            f"compile: got 'reduce-overhead' (CUDA graphs) with {len(devices)} devices on "
+            f"torch {torch.__version__}; expected torch 2.13 or later for CUDA graphs from "
+            f"several replica threads (pytorch#123177). Fix: upgrade torch, compile=True "
+            f"(the default mode), or one device per process under torchrun.")

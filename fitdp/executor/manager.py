@@ -14,12 +14,12 @@ from fitdp.data.batch import DataBatch, take_rows, tree_map
 from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.bound_step import StepMixin, all_reduce
-from fitdp.executor.compile_config import CompileConfig
+from fitdp.executor.compile_config import CompileConfig, check_compile
 from fitdp.executor.devices import DevicesArg, resolve_devices
 from fitdp.executor.engines import DDP, bind_engine
 from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.group import DataParallelExecutorGroup
-from fitdp.executor.replica import Compute, LossFn, ModuleLoss, check_compile
+from fitdp.executor.replica import Compute, LossFn, ModuleLoss
 from fitdp.executor.sharing import bucket_replicas, check_unique_names, device_replicas, hashable
 from fitdp.executor.slicing import device_slices
 from fitdp.executor.workers import DeviceWorkers
@@ -315,10 +315,9 @@ class DataParallelExecutorManager(StepMixin):
 
     def loss_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of per-row losses, rows) since ``reset_loss``, on device 0 (no host sync)."""
-        folded = [ex.fold_losses() for g in self.groups.values() for ex in g.executors]
-        dev = self.devices[0]
-        total = torch.stack([t.to(dev, non_blocking=True) for t, _ in folded]).sum()
-        count = torch.stack([n.to(dev, non_blocking=True) for _, n in folded]).sum()
+        sums, dev = self.loss_sums(), self.devices[0]
+        total, count = (torch.stack([s[i].to(dev, non_blocking=True) for s in sums]).sum()
+                        for i in (0, 1))
         return total, count
 
     def reset_loss(self) -> None:

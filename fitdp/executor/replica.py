@@ -15,7 +15,7 @@ import contextlib
 import functools
 import threading
 import types
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -386,16 +386,3 @@ def _raise_recompile_limit(entries: int) -> None:
         name = next(n for n in names if hasattr(config, n))
         setattr(config, name, max(getattr(config, name), entries))
     _THREAD.limit = entries
-
-
-def check_compile(compile: bool | str, devices: Sequence[torch.device]) -> None:
-    """Refuse what cannot work: before torch 2.13, inductor's CUDA-graph state lives on the
-    thread that first used it (pytorch#123177), so ``"reduce-overhead"`` throws on the second
-    replica's thread."""
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    if compile == "reduce-overhead" and len(devices) > 1 and version < (2, 13):
-        raise ValueError(
-            f"compile: got 'reduce-overhead' (CUDA graphs) with {len(devices)} devices on "
-            f"torch {torch.__version__}; expected torch 2.13 or later for CUDA graphs from "
-            f"several replica threads (pytorch#123177). Fix: upgrade torch, compile=True "
-            f"(the default mode), or one device per process under torchrun.")
