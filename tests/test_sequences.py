@@ -281,3 +281,23 @@ def test_custom_loss_on_padded_tokens_without_a_declaration_warns() -> None:
         model = fitdp.Model(TimeMajorLM())
         model.compile(optimizer="sgd", loss=fitdp.TokenMean(_lm_loss))
         model.evaluate(_data("lm"), devices=["cpu"], verbose=0)
+
+
+def test_onnx_export_keeps_the_sequence_axis_dynamic(tmp_path: Path) -> None:
+    """Issue 22.6: the ONNX file made from a bucketed tagger's exported program runs at
+    sequence lengths other than the example's (onnxruntime against the module)."""
+    pytest.importorskip("onnxscript")
+    ort = pytest.importorskip("onnxruntime")
+    model = fitdp.Model(ConvTagger())
+    model.compile(optimizer="adam", loss="cross_entropy")
+    model.fit(_data("tagger"), epochs=1, devices=["cpu"], verbose=0)
+    model.export(tmp_path / "m.pt2", torch.randint(1, VOCAB, (4, 12)))
+    program = fitdp.load_predictor(tmp_path / "m.pt2").program
+    torch.onnx.export(program, f=str(tmp_path / "m.onnx"), dynamo=True)
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"))
+    for n, t in ((3, 20), (7, 5)):
+        x = torch.randint(1, VOCAB, (n, t))
+        (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+        with torch.no_grad():
+            want = model.module.eval()(x)
+        torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5)
