@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fitdp.call.custom_step import CustomStep
 from fitdp.call.ranks import Ranks
@@ -17,7 +18,7 @@ from fitdp.compiled.metrics import DeviceMetrics
 from fitdp.compiled.optimizers import bind_optimizer
 from fitdp.compiled.setup import Compiled
 from fitdp.data.sources import SourcePlan
-from fitdp.executor.engines import FSDP, engine_for
+from fitdp.executor.engines import FSDP, engine_for, reshard_state
 from fitdp.executor.manager import DataParallelExecutorManager
 
 
@@ -66,16 +67,14 @@ class Replicas:
                  step: CustomStep | None = None) -> None:
         autocast = trainer.autocast_dtype if trainer is not None else None
         devices = list(placement.devices)
-        # DDP for one device per rank (a strategy that cannot run here fails before any copy)
+        # DDP or FSDP2 for one device per rank (a strategy that cannot run here fails before
+        # any copy)
         engine = engine_for(trainer.config.strategy, devices, placement.ranks.world_size,
                             bucketed=bucket_module is not None,
                             compiled=bool(trainer.config.compile),
                             custom_step=step is not None) if trainer else None
-        if isinstance(engine, FSDP):
-            fail("compile(strategy='fsdp')", "fit under torchrun", "strategy='ddp' or 'auto' "
-                 "in this version: FSDP2 is not yet bound into fit's step",
-                 "use strategy='ddp', or shard by hand with fitdp.executor.engines.shard_fsdp "
-                 "and save with fitdp.executor.sharded_io", described=True)
+        self.engine = engine
+        self._stored: list[int] | None = None  # shard versions when the host last matched
         if autocast is torch.float16 and any(d.type != "cuda" for d in devices):
             fail("compile(precision='16-mixed')", [str(d) for d in devices],
                  "CUDA devices only (it uses a CUDA GradScaler)",
@@ -133,18 +132,38 @@ class Replicas:
         """Copy the host module's weights into every replica (rank 0's under torchrun)."""
         self.placement.ranks.broadcast_module(module, self.placement.devices[0])
         self.manager.set_params(dict(module.named_parameters()), dict(module.named_buffers()))
+        self._stored = self._versions()  # the host and the shards agree
 
     def store_host(self, module: nn.Module) -> None:
-        """Average the replicas into the host module, in place (exact when they agree)."""
-        self.manager.copy_to(dict(module.named_parameters()), dict(module.named_buffers()))
+        """Average the replicas into the host module, in place (exact when they agree).
+
+        FSDP2: the shards gathered into whole tensors, a collective that every rank joins
+        (``fit`` and ``evaluate`` end with it, ``ModelCheckpoint``/``BackupAndRestore`` call
+        it on every rank), skipped while no shard changed since the last one (tensor
+        versions), so that rank 0 alone can then read the weights (``get_weights``,
+        ``save``, ``export``)."""
+        params = dict(module.named_parameters())
+        if isinstance(self.engine, FSDP):
+            if self._versions() == self._stored:
+                params = {}  # the host holds these already (buffers are not sharded)
+        self.manager.copy_to(params, dict(module.named_buffers()))
+        self._stored = self._versions()
+
+    def _versions(self) -> list[int]:
+        """The in-place version of each of this rank's shards (FSDP2; [] otherwise)."""
+        return [p._version for p in self.manager.master_parameters()
+                if isinstance(p, DTensor)] if isinstance(self.engine, FSDP) else []
 
     def bind(self, optimizer: torch.optim.Optimizer, module: nn.Module, *, to_host: bool
              ) -> None:
-        """Carry ``optimizer`` between the host module's parameters and device 0's."""
+        """Carry ``optimizer`` between the host module's parameters and device 0's (FSDP2:
+        its state gathered to whole tensors on the host, on every rank, or sharded)."""
         host = dict(module.named_parameters())
         replica = self.manager.named_master_parameters()
         src, dst = (replica, host) if to_host else (host, replica)
         bind_optimizer(optimizer, {id(src[n]): dst[n] for n in src if n in dst})
+        if isinstance(self.engine, FSDP):  # state of shards <-> whole tensors on the host
+            reshard_state(optimizer, to_host)
 
     def own_buffers(self) -> dict[str, list[torch.Tensor]] | None:
         """The floating buffers whose replicas differ (BatchNorm statistics between epoch

@@ -26,6 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fitdp.executor.sharing import replica
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 
@@ -219,13 +222,29 @@ def engine_replica(engine: DDP | FSDP, module: nn.Module, device: torch.device,
     return module
 
 
-def bind_engine(engine: DDP, ex: Any, masters: Sequence[nn.Parameter]) -> Callable[[], None]:
-    """Run executor ``ex``'s replica (this rank's one) under DDP from now on: forward goes
-    through the wrapper, whose bucket all-reduces overlap backward; ``ex.ranked`` names it
-    for ``set_sync`` and ``empty_share``. Returns the reduction left to the optimizer step
-    (the manager's ``cross_rank``): nothing after a backward that reduced; after backwards
-    that ran with sync off and then step (a call's first batch, stepped after its checks; an
-    epoch's last, short accumulation), every gradient all-reduced there, once."""
+def fsdp_replica(module: nn.Module, device: torch.device, options: FSDP,
+                 autocast_dtype: torch.dtype | None) -> nn.Module:
+    """This rank's replica under FSDP2: a copy of the host ``module`` on ``device``, sharded
+    (the host keeps whole tensors: what ``get_weights``, ``save`` and ``export`` read, so
+    each rank holds one unsharded copy of the parameters on the host side)."""
+    return engine_replica(options, replica(module, device, share=False), device,
+                          autocast_dtype)
+
+
+def bind_engine(engine: DDP | FSDP, ex: Any, masters: Sequence[nn.Parameter]
+                ) -> Callable[[], None] | None:
+    """Run executor ``ex``'s replica (this rank's one) under its engine from now on;
+    ``ex.ranked`` names the engine's module for ``set_sync`` and ``empty_share``.
+
+    FSDP2 (``ex.module`` already sharded by ``fsdp_replica``) reduce-scatters in every
+    backward: nothing is left to the step (None). DDP: forward goes through the wrapper,
+    whose bucket all-reduces overlap backward. Returns the reduction left to the optimizer
+    step (the manager's ``cross_rank``): nothing after a backward that reduced; after
+    backwards that ran with sync off and then step (a call's first batch, stepped after its
+    checks; an epoch's last, short accumulation), every gradient all-reduced there, once."""
+    if isinstance(engine, FSDP):
+        ex.ranked = ex.module
+        return None
     ex.ranked = ex.fn = engine_replica(engine, ex.module, ex.device, None)
     # DDP's reducer must be gone before the process group is torn down at exit (a rank
     # aborted there once: "terminate called without an active exception"). Registered
@@ -252,12 +271,12 @@ def _unbind(ref: weakref.ref[Any]) -> None:
 
 def set_sync(wrapped: nn.Module, on: bool) -> None:
     """Whether the next backward reduces across ranks (False while accumulating): DDP's
-    ``no_sync`` flag, FSDP2's ``set_requires_gradient_sync`` (set per batch: DDP reads it
-    in forward, FSDP2 in backward)."""
+    ``no_sync`` flag (read in forward). FSDP2 reduce-scatters every backward, accumulating in
+    the gradient shards: a step may follow backwards that did not sync (a call's first
+    batch), whose unsharded gradients FSDP2 would never reduce (costs one reduce-scatter per
+    accumulated micro-batch)."""
     if isinstance(wrapped, nn.parallel.DistributedDataParallel):
         wrapped.require_backward_grad_sync = on
-    else:
-        wrapped.set_requires_gradient_sync(on)  # type: ignore[operator]
 
 
 def empty_share(wrapped: nn.Module, inputs: Any) -> None:
@@ -280,3 +299,34 @@ def _leaves(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return [t for item in tree for t in _leaves(item)]
     return []
+
+
+def copy_into(dst: torch.Tensor, value: torch.Tensor) -> None:
+    """``dst.copy_(value)``, where ``dst`` may be an FSDP2 shard of the whole ``value``: this
+    rank's part of it (every rank holds ``value``: no communication)."""
+    if isinstance(dst, DTensor):
+        value = distribute_tensor(value.to(dst.device), dst.device_mesh, dst.placements,
+                                  src_data_rank=None)
+    dst.detach().copy_(value, non_blocking=True)
+
+
+def whole(block: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """``block`` with FSDP2 shards gathered into whole tensors (a collective: every rank
+    asks for the same tensors in the same order)."""
+    return [t.full_tensor() if isinstance(t, DTensor) else t for t in block]
+
+
+def reshard_state(optimizer: torch.optim.Optimizer, to_host: bool) -> None:
+    """The optimizer state of FSDP2-sharded parameters between the host (whole tensors, on
+    every rank, for saving) and the replica (shards): after ``bind_optimizer`` moved the
+    optimizer to the host's parameters (``to_host``) or to the shards. A collective when
+    ``to_host``: every rank's state has the same keys in the same order."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if to_host and isinstance(value, DTensor):
+                state[key] = value.full_tensor()
+            elif not to_host and isinstance(param, DTensor) and isinstance(
+                    value, torch.Tensor) and not isinstance(value, DTensor) \
+                    and value.shape == param.shape:
+                state[key] = distribute_tensor(value, param.device_mesh, param.placements,
+                                               src_data_rank=None)

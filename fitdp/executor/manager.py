@@ -16,7 +16,7 @@ from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.bound_step import StepMixin, all_reduce
 from fitdp.executor.compile_config import CompileConfig, check_compile
 from fitdp.executor.devices import DevicesArg, resolve_devices
-from fitdp.executor.engines import DDP, bind_engine
+from fitdp.executor.engines import DDP, FSDP, bind_engine, copy_into, fsdp_replica, whole
 from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.replica import Compute, LossFn, ModuleLoss
@@ -55,7 +55,7 @@ class DataParallelExecutorManager(StepMixin):
         compile: ``torch.compile`` every executor.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype.
         distributed: also all-reduce gradients across the default process group; with
-            ``engine`` (``DDP`` options) through DistributedDataParallel, no flat buckets.
+            ``engine`` (``DDP``/``FSDP`` options) through DDP or FSDP2, no flat buckets.
         inputs_need_grad: track the inputs' gradients in training (MXNet's bind option), read
             with ``get_input_grads``.
 
@@ -83,7 +83,7 @@ class DataParallelExecutorManager(StepMixin):
         distributed: bool = False,
         inputs_need_grad: bool = False,
         compute: Compute | None = None,
-        engine: DDP | None = None,
+        engine: DDP | FSDP | None = None,
     ) -> None:
         checks.check_module(module)
         self.devices = resolve_devices(devices)
@@ -103,13 +103,13 @@ class DataParallelExecutorManager(StepMixin):
         self.default_bucket_key = default_bucket_key
         self.workers = DeviceWorkers(self.devices)
         self.shared_buffers: list[dict[str, tuple[torch.Tensor, tuple[int, ...]]]] = [
-            {} for _ in self.devices
-        ]
+            {} for _ in self.devices]
         self.monitor: Any = None
         # One device: the module itself is the replica. Several: see ``device_replicas``.
         several = (len(self.devices) > 1 or distributed) and engine is None  # DDP: no buckets
         sources = [p for p in module.parameters() if p.requires_grad] if several else []
-        replicas = device_replicas(module, self.devices, sources)
+        replicas = [fsdp_replica(module, self.devices[0], engine, autocast_dtype)] if isinstance(
+            engine, FSDP) else device_replicas(module, self.devices, sources)
         self.execgrp = self._group(replicas, default_bucket_key)
         self.groups: dict[Hashable, DataParallelExecutorGroup] = {default_bucket_key: self.execgrp}
         self.curr_execgrp = self.execgrp
@@ -122,7 +122,7 @@ class DataParallelExecutorManager(StepMixin):
         grads = distributed or any(d.type != "cpu" for d in self.devices)
         self.flat = FlatBuckets(params, sources=sources, grads=grads) if sources else None
         # The cross-rank gradient sum, bound into each step's ``Update`` (None: one process).
-        self.cross_rank: Callable[[], None] | None = bind_engine(  # (DDP: during backward)
+        self.cross_rank: Callable[[], None] | None = bind_engine(  # (engines: in backward)
             engine, self.execgrp.executors[0], params[0]) if engine is not None else (
             self.flat.reduce_global if distributed and self.flat is not None else None)
         self._init_loads(work_load_list)
@@ -285,7 +285,7 @@ class DataParallelExecutorManager(StepMixin):
                     value = src[name]
                     for dst in block:
                         if dst.data_ptr() != value.data_ptr():
-                            dst.detach().copy_(value, non_blocking=True)
+                            copy_into(dst, value)  # (an FSDP2 shard: this rank's part)
 
     def copy_to(
         self, arg_params: Mapping[str, torch.Tensor], aux_params: Mapping[str, torch.Tensor]
@@ -295,7 +295,7 @@ class DataParallelExecutorManager(StepMixin):
         for names, arrays, dst in self._blocks("copy_to", arg_params, aux_params):
             for name, block in zip(names, arrays):
                 if name in dst:
-                    average_into(dst[name], block)
+                    average_into(dst[name], whole(block))  # (FSDP2: gathered)
 
     def sync_buffers(self) -> None:
         """Average every floating buffer (BatchNorm running statistics) over the devices, and

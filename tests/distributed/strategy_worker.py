@@ -2,6 +2,7 @@
 strategy and setup, rank 0's weights saved for the test to compare with one process.
 
 Usage: torchrun ... strategy_worker.py OUT_DIR STRATEGY[,STRATEGY...]
+("fsdp-blocks": fitdp.FSDP(blocks=(nn.Linear,)), each Linear sharded on its own)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import fitdp
 from fitdp.executor import engines
@@ -21,16 +23,22 @@ OUT, STRATEGIES = sys.argv[1], sys.argv[2].split(",")
 RANK = int(os.environ["RANK"])
 torch.set_num_threads(1)
 # (name, optimizer, grad_accum_steps, grad_clip_norm, precision): each runs under each strategy
-SETUPS = [("sgd", "sgd", 1, None, "32"), ("adamw", "adamw", 2, 0.05, "bf16-mixed")]
+SETUPS = [("sgd", "sgd", 1, None, "32"), ("adamw", "adamw", 2, 0.05, "bf16-mixed"),
+          ("adamw32", "adamw", 3, 0.05, "32")]
+OPTIONS = {"fsdp-blocks": fitdp.FSDP(blocks=(nn.Linear,))}
 bound: list[str] = []
-alive: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every engine wrapper fit made
+alive: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every DDP wrapper fit made
+sharded: list[int] = []  # FSDP2: the DTensor parameters of each replica fit sharded
 for name in ("wrap_ddp", "shard_fsdp"):  # count the engines fit binds
     real = getattr(engines, name)
 
     def counted(*args, _real=real, _name=name, **kwargs):
         bound.append(_name)
         wrapper = _real(*args, **kwargs)
-        alive.add(wrapper)
+        if _name == "wrap_ddp":
+            alive.add(wrapper)
+        else:  # the sharded modules, root last
+            sharded.append(sum(isinstance(p, DTensor) for p in wrapper[-1].parameters()))
         return wrapper
 
     setattr(engines, name, counted)
@@ -60,9 +68,14 @@ for strategy in STRATEGIES:
         model = fitdp.Model(net)
         model.compile(optimizer=optimizer, lr=0.05, loss="cross_entropy",
                       grad_accum_steps=accum, grad_clip_norm=clip, precision=precision,
-                      strategy=strategy)
+                      strategy=OPTIONS.get(strategy, strategy))
         # 44 rows, 5 per rank: the last global batch has 4 rows (2 and 2)
         model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
-        if RANK == 0:
+        if RANK == 0:  # rank 0 alone: fit's end gathered the shards (FSDP2) on every rank
             torch.save(model.get_weights(), os.path.join(OUT, f"{strategy}-{name}.pt"))
+        states = [v for st in model._trainer.optimizer.state.values() for v in st.values()]
+        if strategy.startswith("fsdp") and name == "adamw32":  # Adam's moments: shards
+            print(f"rank {RANK} {strategy} optimizer state in shards: "
+                  f"{sum(isinstance(v, DTensor) for v in states)} of {len(states)}", flush=True)
 print(f"rank {RANK} bound {sorted(set(bound))} {len(bound)} times", flush=True)
+print(f"rank {RANK} sharded parameters per replica {sharded}", flush=True)

@@ -149,32 +149,52 @@ def one_process(optimizer: str, accum: int, clip: float | None, precision: str) 
     return model.get_weights()
 
 
+@pytest.fixture(scope="module")
+def strategy_job(tmp_path_factory):
+    """One 2-rank launch for every fit-level case (each strategy, each setup)."""
+    out = tmp_path_factory.mktemp("strategies")
+    worker = os.path.join(os.path.dirname(__file__), "strategy_worker.py")
+    code, output, _ = launch("", out, script=[worker, str(out), "ddp,fsdp,fsdp-blocks"],
+                             limit=240)
+    assert code == 0, output
+    return out, output
+
+
+# (name, one_process's setup, tolerance): strategy_worker.py's SETUPS
+SETUPS = [("sgd", ("sgd", 1, None, "32"), 1e-5),
+          ("adamw", ("adamw", 2, 0.05, "bf16-mixed"), 2e-2),
+          ("adamw32", ("adamw", 3, 0.05, "32"), 1e-4)]
+
+
+def assert_equals_one_process(out, strategy: str) -> None:
+    for name, setup, tol in SETUPS:
+        got = torch.load(out / f"{strategy}-{name}.pt", weights_only=True)
+        for k, v in one_process(*setup).items():
+            torch.testing.assert_close(got[k], v, rtol=tol, atol=tol,
+                                       msg=f"{strategy} {name} {k}")
+
+
 @pytest.mark.distributed
-def test_ddp_fit_equals_one_process_on_the_whole_batch(tmp_path):
+def test_ddp_fit_equals_one_process_on_the_whole_batch(strategy_job):
     """fit under strategy='ddp' (the rank's replica in DistributedDataParallel, bound by fit)
     equals one process on the global batches: SGD; AdamW with accumulation, clipping, bf16."""
-    worker = os.path.join(os.path.dirname(__file__), "strategy_worker.py")
-    code, output, _ = launch("", tmp_path, script=[worker, str(tmp_path), "ddp"])
-    assert code == 0, output
-    assert output.count("bound ['wrap_ddp'] 2 times") == 2, output
+    out, output = strategy_job
+    assert output.count("bound ['shard_fsdp', 'wrap_ddp'] 9 times") == 2, output
     # Regression: the models' DDP reducers outlived the process group at exit (a rank can
     # abort there: "terminate called without an active exception").
     assert output.count("DDP wrappers alive at teardown: 0") == 2, output
-    for name, setup, tol in (("sgd", ("sgd", 1, None, "32"), 1e-5),
-                             ("adamw", ("adamw", 2, 0.05, "bf16-mixed"), 2e-2)):
-        got = torch.load(tmp_path / f"ddp-{name}.pt", weights_only=True)
-        for k, v in one_process(*setup).items():
-            torch.testing.assert_close(got[k], v, rtol=tol, atol=tol, msg=f"{name} {k}")
+    assert_equals_one_process(out, "ddp")
 
 
-def test_fsdp_in_fit_is_refused_before_anything_runs():
-    """FSDP2 is not bound into fit's step yet: a clear error, not fitdp's own reduction
-    running silently under the name 'fsdp'."""
-    from fitdp.call.ranks import Ranks
-    from fitdp.call.replicas import Placement, Replicas
-
-    model = fitdp.Model(nn.Linear(3, 2))
-    model.compile(optimizer="sgd", loss="mse", strategy="fsdp")
-    placement = Placement((CPU,), (1.0,), Ranks(rank=0, world_size=2))
-    with pytest.raises(ValueError, match="not yet bound into fit"):
-        Replicas(model.module, None, placement, model._trainer)
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp-blocks"])
+def test_fsdp_fit_equals_one_process_on_the_whole_batch(strategy_job, strategy):
+    """fit under strategy='fsdp' (was refused: "not yet bound into fit"): the rank's replica
+    sharded by FSDP2 (the root alone by the size rule, or each Linear named by
+    FSDP(blocks=...)), Adam's state in shards, gradients summed by reduce-scatter, clipping
+    on the whole norm, equals one process on the global batches (rank 0's get_weights,
+    gathered at fit's end)."""
+    out, output = strategy_job
+    assert output.count("sharded parameters per replica [4, 4, 4, 4, 4, 4]") == 2, output
+    assert output.count(f"{strategy} optimizer state in shards: 8 of 12") == 2, output
+    assert_equals_one_process(out, strategy)
