@@ -19,6 +19,7 @@ from fitdp.compiled.optimizers import bind_optimizer
 from fitdp.compiled.setup import Compiled
 from fitdp.data.sources import SourcePlan
 from fitdp.executor.engines import FSDP, engine_for, reshard_state
+from fitdp.executor.fence import wait_for_snapshots
 from fitdp.executor.manager import DataParallelExecutorManager
 
 
@@ -130,6 +131,7 @@ class Replicas:
 
     def load_host(self, module: nn.Module) -> None:
         """Copy the host module's weights into every replica (rank 0's under torchrun)."""
+        wait_for_snapshots()  # an async save may be copying a replica (the module itself)
         self.placement.ranks.broadcast_module(module, self.placement.devices[0])
         self.manager.set_params(dict(module.named_parameters()), dict(module.named_buffers()))
         self._stored = self._versions()  # the host and the shards agree
@@ -142,6 +144,7 @@ class Replicas:
         it on every rank), skipped while no shard changed since the last one (tensor
         versions), so that rank 0 alone can then read the weights (``get_weights``,
         ``save``, ``export``)."""
+        wait_for_snapshots()  # an async save may be copying the host module
         params = dict(module.named_parameters())
         if isinstance(self.engine, FSDP):
             if self._versions() == self._stored:

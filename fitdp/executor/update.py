@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from fitdp.executor import fence
 from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.sharded_step import ShardedStep, param_count
 
@@ -206,6 +207,8 @@ class Update:
 
     def apply(self, s: int) -> None:
         """Shard ``s``: reduce, (unscale, clip), step, broadcast."""
+        if fence.pending:  # an async save is still copying the weights it steps
+            fence.wait_for_snapshots()
         self.reduce_shard(s)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # type: ignore[arg-type]

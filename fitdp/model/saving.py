@@ -12,6 +12,7 @@ from fitdp.call.plan import FitPlan
 from fitdp.checks import check_choice, check_path
 from fitdp.compiled.setup import PRECISIONS
 from fitdp.data.sources import SourcePlan
+from fitdp.executor.fence import hold, wait_for_snapshots
 from fitdp.saving.async_writer import AsyncCheckpointWriter
 from fitdp.saving.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fitdp.saving.entries import (
@@ -65,6 +66,7 @@ class ModuleState:
         load, self.skipped = check_weights(self.module.state_dict(), state, origin=self.origin,
                                            strict=self.strict, error=self.error)
         self.sync_host()
+        wait_for_snapshots()  # with one device the module is the replica an async save copies
         self.module.load_state_dict(load, strict=False)
         self.load_replicas()
 
@@ -129,8 +131,10 @@ class ModelIO:
         ``torch.load(weights_only=True)``. Taken between optimizer steps: batches of an
         unfinished gradient accumulation are trained again on resume.
 
-        With ``async_save``, the state is copied to host memory and the call returns; a
-        background thread writes, fsyncs and renames it (still atomic). At most one save is
+        With ``async_save``, the call returns at once: a background thread copies the weights
+        and optimizer state to host memory while the next forward and backward run (the next
+        optimizer step, ``set_weights`` or ``load`` waits for that copy), then writes, fsyncs
+        and renames the file (still atomic). At most one save is
         in flight (the next waits for it); a background save's error is raised by the next
         ``save``, by ``wait_for_saves()`` and at the end of ``fit``, which returns only once
         the last save is on disk.
@@ -146,10 +150,22 @@ class ModelIO:
         if async_save:
             if self._writer is None:
                 self._writer = AsyncCheckpointWriter()
-            self._writer.submit(path, state)
+            self._writer.submit(path, state, defer=self._stepped_tensors())
+            hold(self._writer.copied)
         else:
             self.wait_for_saves()  # files land in the order they were asked for
             save_checkpoint(path, state)
+
+    def _stepped_tensors(self) -> list[torch.Tensor]:
+        """The parameters and optimizer state: only an optimizer step or a load (each behind
+        the snapshot fence) changes them, so an async save may copy them late. Buffers are
+        not here: a forward in training mode changes BatchNorm statistics."""
+        tensors: list[torch.Tensor] = list(self.module.parameters())
+        trainer = self._trainer
+        if trainer is not None and trainer.optimizer is not None:
+            tensors += [v for state in trainer.optimizer.state.values()
+                        for v in state.values() if isinstance(v, torch.Tensor)]
+        return tensors
 
     def wait_for_saves(self) -> None:
         """Block until every checkpoint this model wrote is on disk.
@@ -176,6 +192,7 @@ class ModelIO:
             fitdp.CheckpointError: not a sound fitdp checkpoint, or one that does not fit.
         """
         path = check_path("path", path, must_exist=True)
+        wait_for_snapshots()  # the optimizer state an async save may still be copying
         objects = self._checkpoint_objects(path, strict=strict)
         parts = ("module", "optimizer", "scheduler", "scaler")
         keep: dict[str, Stateful] = {k: objects[k] for k in parts if k in objects}
@@ -188,6 +205,7 @@ class ModelIO:
         """Continue a run from ``path``: everything but the callbacks and the RNG, which
         ``fit`` restores later (after ``on_train_begin``; right before the first batch)."""
         state = load_checkpoint(path)
+        wait_for_snapshots()
         objects = self._checkpoint_objects(path)
         later = ("callbacks", "rng")
         restore({k: v for k, v in objects.items() if k not in later}, state, path,

@@ -3,7 +3,8 @@
 Importing torch costs about a second, so this process imports it once and forks one saver per
 ``run`` line read from stdin; the saver resumes from ``PATH`` and rewrites it in a loop, and the
 test SIGKILLs it. ``MODE`` is ``sync`` (``save_checkpoint``) or ``async``
-(``AsyncCheckpointWriter.submit``, one save in flight while the next state is built).
+(``AsyncCheckpointWriter.submit``, one save in flight while the next state is built; its
+tensors deferred, so the kill also lands during the writer thread's copy).
 Protocol (one line each): the server prints ``ready``, then for each ``run``: ``pid <pid>``
 when the saver starts and ``dead <pid>`` once reaped.
 
@@ -41,7 +42,8 @@ def save_forever(path: str, mode: str) -> None:
         if writer is None:
             save_checkpoint(path, make_state(counter))
         else:
-            writer.submit(path, make_state(counter))
+            state = make_state(counter)
+            writer.submit(path, state, defer=[state["weights"], state["nested"]["steps"][0]])
 
 
 def main() -> None:

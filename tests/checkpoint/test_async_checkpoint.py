@@ -246,3 +246,41 @@ def test_writer_thread_runs_at_lower_cpu_priority(tmp_path: Path) -> None:
         writer.submit(tmp_path / "a.ckpt", {"n": 1}, on_durable=lambda p: seen.append(priority()))
     assert seen == [min(19, mine + 10) if linux else mine]
     assert priority() == mine
+
+
+def test_deferred_tensors_are_copied_on_the_writer_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """submit(defer=...) returns before copying those tensors; the file is still the state at
+    submit, and ``copied`` says when they may change (issue 20.4: the copy stalled training)."""
+    held, real = threading.Event(), async_checkpoint._copy
+    monkeypatch.setattr(async_checkpoint, "_copy", lambda late: (held.wait(20), real(late)))
+    state = trained_state()
+    save_checkpoint(tmp_path / "sync.ckpt", state)
+    weights, buffers = state["module"]["0.weight"], state["module"]["1.running_mean"]
+    writer = AsyncCheckpointWriter()
+    writer.submit(tmp_path / "async.ckpt", state, defer=[weights, state["tied"][0]])
+    assert not writer.copied.is_set()
+    buffers.add_(1.0)  # not deferred: copied inside submit
+    held.set()
+    assert writer.copied.wait(20)
+    weights.add_(1.0)
+    state["tied"][0].add_(1.0)  # and its views, which share the storage
+    writer.close()
+    assert_same(load_checkpoint(tmp_path / "async.ckpt"), load_checkpoint(tmp_path / "sync.ckpt"))
+
+
+def test_a_failed_deferred_copy_releases_the_fence_and_fails_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(late: Any) -> None:
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(async_checkpoint, "_copy", broken)
+    weights = torch.ones(10)
+    writer = AsyncCheckpointWriter()
+    writer.submit(tmp_path / "a.ckpt", {"w": weights}, defer=[weights])
+    assert writer.copied.wait(20)
+    with pytest.raises(MemoryError, match="no room"):
+        writer.wait()
+    assert not (tmp_path / "a.ckpt").exists()
