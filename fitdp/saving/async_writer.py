@@ -106,8 +106,7 @@ class AsyncCheckpointWriter:
             fail("on_durable", on_durable, "a callable taking the path, or None",
                  error=TypeError)
         self.wait()  # at most one save in flight; its buffers are ours again
-        snapshot, late = self._snapshot.take(state, {t.untyped_storage().data_ptr()
-                                                     for t in defer})
+        snapshot, late = self._snapshot.take(state, {k for k in map(_storage_key, defer) if k})
         self._copied = threading.Event()
         if not late:
             self._copied.set()
@@ -166,6 +165,15 @@ class AsyncCheckpointWriter:
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(note)
             self._error = exc
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The data pointer of ``t``'s storage; None for a wrapper subclass without one (an
+    FSDP2 shard's ``DTensor``: its state is copied inside ``submit``, as before)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _copy(late: list[_Copy]) -> None:

@@ -284,3 +284,13 @@ def test_a_failed_deferred_copy_releases_the_fence_and_fails_the_save(
     with pytest.raises(MemoryError, match="no room"):
         writer.wait()
     assert not (tmp_path / "a.ckpt").exists()
+
+
+def test_a_deferred_wrapper_subclass_without_storage_is_copied_in_submit(tmp_path: Path) -> None:
+    """defer=[a DTensor-like wrapper] used to raise on its storage's data pointer."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    shard = TwoTensor(torch.ones(3), torch.ones(3))
+    with AsyncCheckpointWriter() as writer:
+        writer.submit(tmp_path / "a.ckpt", {"n": 1}, defer=[shard])
+    assert load_checkpoint(tmp_path / "a.ckpt") == {"n": 1}
