@@ -122,6 +122,7 @@ class BackupAndRestore(Callback):
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         self._last_step = 0
+        self._refuse_sharded()  # FSDP2: saving is a collective
 
     def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
         step = int(self.model.global_step)

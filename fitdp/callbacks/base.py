@@ -82,6 +82,19 @@ class Callback:
         """False on non-zero ranks: such a callback must not write files, print or log."""
         return self.model is None or bool(getattr(self.model, "is_main_process", True))
 
+    def _refuse_sharded(self) -> None:
+        """A callback that saves from the main process alone cannot save an FSDP2 model:
+        gathering its shards is a collective every rank joins (it would hang). Raises a
+        ValueError when the fit starts, before the first step."""
+        from fitdp.checks import fail
+        from fitdp.executor.engines import FSDP
+
+        if isinstance(getattr(getattr(self.model, "_replicas", None), "engine", None), FSDP):
+            fail(f"callbacks=[{type(self).__name__}(...)]", "a fit with strategy='fsdp'",
+                 "strategy='ddp' or 'auto' with this callback in this version (it saves from "
+                 "rank 0 alone)", "call model.save(path) on every rank from your own "
+                 "callback (its on_epoch_end), or use strategy='ddp'", described=True)
+
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         """Called once at the start of `fit`: reset per-run state here."""
 

@@ -97,6 +97,7 @@ class ModelCheckpoint(Callback):
         self._epoch = 0
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
+        self._refuse_sharded()  # FSDP2: saving is a collective
         # `best` carries over between fits, as in Keras; the batch count restarts.
         self._counter.reset()
         self._epoch = 0

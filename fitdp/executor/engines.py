@@ -330,3 +330,11 @@ def reshard_state(optimizer: torch.optim.Optimizer, to_host: bool) -> None:
                     and value.shape == param.shape:
                 state[key] = distribute_tensor(value, param.device_mesh, param.placements,
                                                src_data_rank=None)
+
+
+def whole_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``state_dict`` with FSDP2 shards gathered into whole tensors (a
+    collective, as ``reshard_state``)."""
+    state = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()}
+             for i, s in state_dict["state"].items()}
+    return {**state_dict, "state": state}

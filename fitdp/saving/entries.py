@@ -14,6 +14,7 @@ import torch
 from fitdp._version import __version__
 from fitdp.checks import FitdpWarning, check_path, fail
 from fitdp.compiled.optimizers import optimizer_kind_problem
+from fitdp.executor.engines import reshard_state, whole_state
 from fitdp.saving.checkpoint import (
     CheckpointError,
     capture_rng_state,
@@ -58,13 +59,17 @@ class OptimizerState:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.optimizer.state_dict(), "fitdp_class": type(self.optimizer).__name__}
+        # FSDP2: the state of shards gathered into whole tensors (every rank saves: a
+        # collective), so the checkpoint loads on any world size and in one process.
+        return {**whole_state(self.optimizer.state_dict()),
+                "fitdp_class": type(self.optimizer).__name__}
 
     def problem(self, state: Mapping[str, Any]) -> str | None:
         return optimizer_kind_problem(self.optimizer, state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "fitdp_class"})
+        reshard_state(self.optimizer, to_host=False)  # (shards of FSDP2's parameters)
 
 
 RNG = Entry(capture_rng_state, restore_rng_state)

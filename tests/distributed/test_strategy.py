@@ -198,3 +198,59 @@ def test_fsdp_fit_equals_one_process_on_the_whole_batch(strategy_job, strategy):
     assert output.count("sharded parameters per replica [4, 4, 4, 4, 4, 4]") == 2, output
     assert output.count(f"{strategy} optimizer state in shards: 8 of 12") == 2, output
     assert_equals_one_process(out, strategy)
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp-checkpoint")
+    worker = os.path.join(os.path.dirname(__file__), "fsdp_checkpoint_worker.py")
+    code, output, _ = launch("", out, script=[worker, str(out)], limit=180)
+    assert code == 0, output
+    assert output.count("fsdp checkpoint done") == 2, output
+    return out, output
+
+
+@pytest.mark.distributed
+def test_an_fsdp_checkpoint_resumes_on_two_ranks_bitwise(fsdp_checkpoint):
+    """model.save under strategy='fsdp' on every rank (weights and AdamW state gathered from
+    the shards, rank 0 writes): a new 2-rank fit resumed from it ends bit for bit where the
+    uninterrupted fit did."""
+    out, _ = fsdp_checkpoint
+    whole = torch.load(out / "uninterrupted.pt", weights_only=True)
+    resumed = torch.load(out / "resumed.pt", weights_only=True)
+    assert all(torch.equal(resumed[k], v) for k, v in whole.items())
+
+
+@pytest.mark.distributed
+def test_an_fsdp_checkpoint_loads_and_resumes_in_one_process(fsdp_checkpoint):
+    """The 2-rank FSDP checkpoint holds whole tensors: a single-process Model loads the
+    weights rank 0's get_weights gave, and resumes to the 2-rank run's end (allclose)."""
+    out, _ = fsdp_checkpoint
+    x = torch.randn(40, 6, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    model = fitdp.Model(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)))
+    model.compile(optimizer="adamw", lr=0.05, loss="cross_entropy", grad_accum_steps=2,
+                  grad_clip_norm=0.05)
+    model.load(out / "fsdp.ckpt")
+    at = torch.load(out / "at-checkpoint.pt", weights_only=True)
+    assert all(torch.equal(model.get_weights()[k], v) for k, v in at.items())
+    model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0, devices=["cpu"],
+              resume=out / "fsdp.ckpt")
+    whole = torch.load(out / "uninterrupted.pt", weights_only=True)
+    for k, v in model.get_weights().items():
+        torch.testing.assert_close(v, whole[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+@pytest.mark.distributed
+def test_an_fsdp_models_export_holds_the_whole_weights(fsdp_checkpoint):
+    out, _ = fsdp_checkpoint
+    x = torch.randn(7, 6)
+    net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    net.load_state_dict(torch.load(out / "uninterrupted.pt", weights_only=True))
+    torch.testing.assert_close(fitdp.load_predictor(out / "fsdp.pt2")(x), net(x))
+
+
+@pytest.mark.distributed
+def test_a_rank_zero_saving_callback_with_fsdp_is_refused_not_a_hang(fsdp_checkpoint):
+    _, output = fsdp_checkpoint
+    assert output.count("refused: True, unchanged: True") == 2, output
