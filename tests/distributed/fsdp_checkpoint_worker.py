@@ -19,6 +19,7 @@ import fitdp
 OUT = sys.argv[1]
 RANK = int(os.environ["RANK"])
 CHECKPOINT = os.path.join(OUT, "fsdp.ckpt")
+ASYNC = os.path.join(OUT, "fsdp-async.ckpt")  # the same state, through async_save=True
 torch.set_num_threads(1)
 g = torch.Generator().manual_seed(0)
 x = torch.randn(40, 6, generator=g)
@@ -31,6 +32,7 @@ class SaveFirstEpoch(fitdp.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         if epoch == 0:
             self.model.save(CHECKPOINT)
+            self.model.save(ASYNC, async_save=True)
             weights = self.model.get_weights()
             if RANK == 0:
                 torch.save(weights, os.path.join(OUT, "at-checkpoint.pt"))
@@ -46,9 +48,11 @@ def model() -> fitdp.Model:
 
 whole = model()
 whole.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, callbacks=[SaveFirstEpoch()])
-resumed = model()
+resumed, resumed_async = model(), model()
 resumed.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, resume=CHECKPOINT)
-for name, m in (("uninterrupted", whole), ("resumed", resumed)):
+resumed_async.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, resume=ASYNC)
+for name, m in (("uninterrupted", whole), ("resumed", resumed),
+                ("resumed-async", resumed_async)):
     weights = m.get_weights()  # rank 0 alone: fit's end gathered the shards
     if RANK == 0:
         torch.save(weights, os.path.join(OUT, f"{name}.pt"))

@@ -217,8 +217,9 @@ def test_an_fsdp_checkpoint_resumes_on_two_ranks_bitwise(fsdp_checkpoint):
     uninterrupted fit did."""
     out, _ = fsdp_checkpoint
     whole = torch.load(out / "uninterrupted.pt", weights_only=True)
-    resumed = torch.load(out / "resumed.pt", weights_only=True)
-    assert all(torch.equal(resumed[k], v) for k, v in whole.items())
+    for saved in ("resumed", "resumed-async"):  # model.save, and with async_save=True
+        resumed = torch.load(out / f"{saved}.pt", weights_only=True)
+        assert all(torch.equal(resumed[k], v) for k, v in whole.items()), saved
 
 
 @pytest.mark.distributed
