@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fitdp.call.custom_step import CustomStep
 from fitdp.call.ranks import Ranks
@@ -18,7 +17,7 @@ from fitdp.compiled.metrics import DeviceMetrics
 from fitdp.compiled.optimizers import bind_optimizer
 from fitdp.compiled.setup import Compiled
 from fitdp.data.sources import SourcePlan
-from fitdp.executor.engines import FSDP, engine_for, reshard_state
+from fitdp.executor.engines import FSDP, engine_for, reshard_state, shard_versions
 from fitdp.executor.fence import wait_for_snapshots
 from fitdp.executor.manager import DataParallelExecutorManager
 
@@ -154,8 +153,8 @@ class Replicas:
 
     def _versions(self) -> list[int]:
         """The in-place version of each of this rank's shards (FSDP2; [] otherwise)."""
-        return [p._version for p in self.manager.master_parameters()
-                if isinstance(p, DTensor)] if isinstance(self.engine, FSDP) else []
+        return shard_versions(self.manager.master_parameters()) if isinstance(
+            self.engine, FSDP) else []
 
     def bind(self, optimizer: torch.optim.Optimizer, module: nn.Module, *, to_host: bool
              ) -> None:

@@ -20,7 +20,7 @@ import dataclasses
 import gc
 import typing
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -314,6 +314,12 @@ def whole(block: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     """``block`` with FSDP2 shards gathered into whole tensors (a collective: every rank
     asks for the same tensors in the same order)."""
     return [t.full_tensor() if isinstance(t, DTensor) else t for t in block]
+
+
+def shard_versions(params: Iterable[torch.Tensor]) -> list[int]:
+    """The in-place version counter of each sharded (DTensor) parameter: unchanged numbers
+    mean no shard was stepped since they were read."""
+    return [p._version for p in params if isinstance(p, DTensor)]
 
 
 def reshard_state(optimizer: torch.optim.Optimizer, to_host: bool) -> None:
