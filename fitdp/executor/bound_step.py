@@ -74,6 +74,11 @@ class BatchStep:
         self.autocast = mgr.autocast_dtype
         # DDP's module, read per batch through the executor (dropped at exit, see engines)
         self.lead = mgr.execgrp.executors[0] if is_train else None
+        # Fixed for the manager's life, read here once rather than through the proxy per
+        # batch: the one group without buckets, and the slices by rows (cleared in place
+        # when the loads change).
+        self.group = mgr.execgrp if mgr.bucket_module is None else None
+        self.slices = mgr._slices
 
     def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
                  total_rows: int | None = None) -> None:
@@ -82,8 +87,8 @@ class BatchStep:
         rows the mean loss is taken over (default: this batch's, summed over the ranks)."""
         mgr = self.mgr
         rows, axis = checked_rows(batch)
-        group = mgr._group_of(batch, checked=True)
-        slices = mgr._slices_for(rows)
+        group = self.group or mgr._group_of(batch, checked=True)
+        slices = self.slices.get(rows) or mgr._slices_for(rows)
         job = group.job
         job.set(batch, rows, axis, slices)
         job.is_train, job.compute, job.autocast = self.is_train, self.compute, self.autocast
@@ -102,14 +107,15 @@ class BatchStep:
             job.update = update if zero_grad or stepping else None
         else:
             job.update = None
-        check, balancer = mgr._speed_check, mgr.balancer
-        serial = self.is_train and check is not None and check.serial_next()
-        timed = balancer is not None or (check is not None and self.is_train)
+        check = mgr._speed_check if self.is_train else None
+        balancer = mgr.balancer
+        serial = check is not None and check.serial_next()
+        timed = balancer is not None or check is not None
         sharded = stepping and not serial and update.shards > 1  # type: ignore[union-attr]
         group.dispatch(group.tasks if sharded else group.shares, serial, timed)
         if stepping and not sharded:
             update.finish_all()  # type: ignore[union-attr]
-        if check is not None and self.is_train:
+        if check is not None:
             mgr._check_speed(check, group.section_seconds(serial), serial)
         if balancer is not None and not serial:
             # This batch's times on the CPU; on CUDA those of the batches whose events have
@@ -151,6 +157,7 @@ class StepMixin:
     _bound: dict[tuple[Hashable, ...], BatchStep]
     _manual: dict[tuple[Hashable, ...], Update]
     execgrp: DataParallelExecutorGroup
+    bucket_module: Any
 
     if TYPE_CHECKING:  # the manager's
         @property

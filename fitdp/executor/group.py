@@ -160,7 +160,11 @@ class DataParallelExecutorGroup:
         self.set_mode(job.is_train)
         self.slices = job.slices
         job.timed = timed
-        probe = self._begin_turns(job.is_train)
+        if job.is_train and self.stochastic is not False:
+            probe = self._begin_turns(True)
+        else:  # no turns (evaluation, or replicas that never draw): two calls fewer a batch
+            probe, job.in_turn = None, False
+            job.step_turns = False
         if timed:
             self.start = perf_counter()
         if serial:
@@ -168,7 +172,8 @@ class DataParallelExecutorGroup:
                 device_share(job, d)
         else:
             self.workers.run(tasks)
-        self._end_turns(probe)
+        if probe is not None:
+            self._end_turns(probe)
         if job.metric is not None:
             job.metric.end_batch(job.axis)  # the metrics that update with the whole batch
         if self.executors[0].warn_on_grow:

@@ -157,8 +157,8 @@ def device_share(job: Job, d: int) -> None:
     waited = 0.0
     try:
         update = job.update
-        if update is not None:
-            update.before(d)
+        if update is not None and update.zero:  # the first batch of an optimizer step
+            update.zero_device(d)
         if job.load:
             load_share(job, d)
         waited = forward_share(job, d)

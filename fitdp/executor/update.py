@@ -5,7 +5,8 @@ clipping norm, the flat gradient buckets, the cross-rank reduction, whether the 
 over the CPU replica threads) and then only told, per batch, whether this batch zeroes the
 gradients first and whether it ends with a step (``prepare``). Its parts run in order:
 
-- ``before(d)``: device ``d``'s gradients zeroed, on its thread, before its backward;
+- ``zero_device(d)``: device ``d``'s gradients zeroed, on its thread, before its backward
+  (``zero``: the batch that starts an optimizer step);
 - ``apply(s)``: shard ``s``'s gradients summed over the devices into device 0's (then across
   ranks: ``cross_rank``), unscaled and clipped (unsharded only), the optimizer step, and
   device 0's parameters of the shard copied to every other device.
@@ -106,6 +107,10 @@ class Update:
         self.zero = False
         self.stepping = False  # this batch ends with the optimizer step
         self._step_shard = self._bind_step()
+        # Decided once: one replica in one process has nothing to reduce or broadcast
+        # (two calls fewer per step; they add up on a tiny model).
+        self._reduces = flat is not None or cross_rank is not None
+        self._broadcasts = any(self.broadcast)
 
     def _owners(self) -> list[int]:
         """The shard of each trainable parameter: contiguous in flat order, balanced by size."""
@@ -156,12 +161,6 @@ class Update:
 
     # -- what each device thread runs -----------------------------------------------------
 
-    def before(self, d: int) -> None:
-        """Before device ``d``'s backward: its gradients to zero (on the batch that starts an
-        optimizer step)."""
-        if self.zero:
-            self.zero_device(d)
-
     def zero_device(self, d: int) -> None:
         """Device ``d``'s gradients: zeroed in place in their buckets, or (no gradient
         buckets, or one replica) set to None for backward to write anew."""
@@ -209,13 +208,15 @@ class Update:
         """Shard ``s``: reduce, (unscale, clip), step, broadcast."""
         if fence.pending:  # an async save is still copying the weights it steps
             fence.wait_for_snapshots()
-        self.reduce_shard(s)
+        if self._reduces:
+            self.reduce_shard(s)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # type: ignore[arg-type]
         if self.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.clipped, self.clip_norm)
         self._step_shard(s)
-        self.broadcast_shard(s)
+        if self._broadcasts:
+            self.broadcast_shard(s)
 
     def reduce_shard(self, s: int) -> None:
         """Shard ``s``'s gradients of every device summed into device 0's (then across the
