@@ -66,19 +66,26 @@ class BatchStep:
         self.is_train, self.update = is_train, update
         self.scale, self.metric = scale, metric
         self.compute = mgr.compute
-        self.counter = getattr(mgr.compute, "counts", None)
+        # Counts weigh slices only when there are several (devices or ranks): decided here.
+        several = len(mgr.devices) > 1 or mgr.distributed
+        self.counter = getattr(mgr.compute, "counts", None) if several else None
         self.global_count = all_reduce if mgr.distributed else None
         # Ranks' batches may differ in size: the rows of a step are summed over the ranks.
         self.global_rows = mgr._global_rows if (
             mgr.distributed and is_train and mgr.loss is not None) else None
         self.autocast = mgr.autocast_dtype
-        # DDP's module, read per batch through the executor (dropped at exit, see engines)
-        self.lead = mgr.execgrp.executors[0] if is_train else None
+        # DDP's module, read per batch through the executor (dropped at exit, see engines);
+        # a replica that runs under no engine (bound at the manager's start) has none.
+        lead = mgr.execgrp.executors[0]
+        self.lead = lead if is_train and lead.ranked is not None else None
         # Fixed for the manager's life, read here once rather than through the proxy per
         # batch: the one group without buckets, and the slices by rows (cleared in place
         # when the loads change).
         self.group = mgr.execgrp if mgr.bucket_module is None else None
         self.slices = mgr._slices
+        # One CPU replica: ``DeviceWorkers.run`` would run its share on this thread anyway;
+        # the group's serial hand-off does so without the tasks list (same share, same thread).
+        self.on_caller = len(mgr.devices) == 1 and mgr.devices[0].type == "cpu"
 
     def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
                  total_rows: int | None = None) -> None:
@@ -93,17 +100,19 @@ class BatchStep:
         job.set(batch, rows, axis, slices)
         job.is_train, job.compute, job.autocast = self.is_train, self.compute, self.autocast
         job.scale, job.metric = self.scale, self.metric
-        local = rows - batch.pad if total_rows is None else total_rows
-        total = self.global_rows(local) if (
-            total_rows is None and self.global_rows is not None) else local
+        if total_rows is not None:
+            total: int | torch.Tensor = total_rows
+        else:
+            total = rows - batch.pad
+            if self.global_rows is not None:
+                total = self.global_rows(total)
         weigh(job, total, self.counter, self.global_count)
         update, stepping = self.update, False
         if update is not None:
-            update.prepare(zero_grad, step)
-            stepping = update.stepping
-            ranked = self.lead.ranked if self.lead is not None else None
-            if ranked is not None:  # DDP reduces in backward: only on the batch that steps
-                set_sync(ranked, stepping)
+            stepping = update.prepare(zero_grad, step)
+            lead = self.lead
+            if lead is not None and lead.ranked is not None:
+                set_sync(lead.ranked, stepping)  # DDP reduces in backward: on the step's batch
             job.update = update if zero_grad or stepping else None
         else:
             job.update = None
@@ -112,7 +121,8 @@ class BatchStep:
         serial = check is not None and check.serial_next()
         timed = balancer is not None or check is not None
         sharded = stepping and not serial and update.shards > 1  # type: ignore[union-attr]
-        group.dispatch(group.tasks if sharded else group.shares, serial, timed)
+        group.dispatch(group.tasks if sharded else group.shares, serial or self.on_caller,
+                       timed)
         if stepping and not sharded:
             update.finish_all()  # type: ignore[union-attr]
         if check is not None:

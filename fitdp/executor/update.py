@@ -152,12 +152,15 @@ class Update:
             return ShardedStep(optimizer, self.shards, owner).step_shard
         return lambda s: optimizer.step()  # type: ignore[func-returns-value]
 
-    def prepare(self, zero: bool, step: bool) -> None:
-        """This batch: zero the gradients first (``zero``), and step at the end (``step``)."""
-        self.zero, self.stepping = zero, step and self.optimizer is not None
-        if self.stepping and self.shards > 1:
+    def prepare(self, zero: bool, step: bool) -> bool:
+        """This batch: zero the gradients first (``zero``), and step at the end (``step``).
+        Returns whether it steps (``stepping``)."""
+        self.zero = zero
+        stepping = self.stepping = step and self.optimizer is not None
+        if stepping and self.shards > 1:
             for event in self.arrived:
                 event.clear()
+        return stepping
 
     # -- what each device thread runs -----------------------------------------------------
 
@@ -190,7 +193,7 @@ class Update:
     def finish_all(self) -> None:
         """Every shard on this thread (every device's share ended without error)."""
         if self.stepping:
-            for s in range(self.shards):
+            for s in range(self.shards):  # one, unless a serial batch of a sharded update
                 self.apply(s)
 
     def step_all(self, run: Callable[[list[Callable[[], None]]], object]) -> None:
