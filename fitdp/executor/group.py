@@ -168,8 +168,8 @@ class DataParallelExecutorGroup:
         if timed:
             self.start = perf_counter()
         if serial:
-            for d in range(len(self.executors)):
-                device_share(job, d)
+            for task in tasks:  # the shares (serial batches never shard the step)
+                task()
         else:
             self.workers.run(tasks)
         if probe is not None:

@@ -197,18 +197,20 @@ def weigh(job: Job, total_rows: int | torch.Tensor, counter: Count | None,
           global_count: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
     """Each device's loss weight (and count) into ``job``: its valid rows over
     ``total_rows``, or its share of the counted targets (see ``count_targets``)."""
-    executors, weights, counts = job.executors, job.weights, job.counts
-    if isinstance(total_rows, torch.Tensor):  # summed over ranks, on device 0: no host sync
+    executors, weights, counts, valid = job.executors, job.weights, job.counts, job.valid
+    if not isinstance(total_rows, torch.Tensor):
+        denom_f = float(max(total_rows, 1))
+        for d in range(len(weights)):
+            weights[d], counts[d] = valid[d] / denom_f, None
+    else:  # summed over ranks, on device 0: no host sync
         denom = total_rows.clamp(min=1)
         for d, ex in enumerate(executors):  # each device's weight on its own device
-            weights[d] = (job.valid[d] / denom).to(ex.device, non_blocking=True)
+            weights[d] = (valid[d] / denom).to(ex.device, non_blocking=True)
             counts[d] = None
-    else:
-        denom_f = float(max(total_rows, 1))
-        for d in range(len(executors)):
-            weights[d], counts[d] = job.valid[d] / denom_f, None
+    if counter is None:
+        return  # rows weigh the slices (one device, or a loss that means over rows)
     batch = job.batch
-    if counter is None or (len(executors) == 1 and global_count is None) or (
+    if (len(executors) == 1 and global_count is None) or (
             batch.sample_weight is not None) or batch.label is None:
         return  # sample weights mean over rows (Keras's sum_over_batch_size); no targets
     if global_count is None and all(ex.device.type == "cpu" for ex in executors):
