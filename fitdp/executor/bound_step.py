@@ -78,13 +78,11 @@ class BatchStep:
         # a replica that runs under no engine (bound at the manager's start) has none.
         lead = mgr.execgrp.executors[0]
         self.lead = lead if is_train and lead.ranked is not None else None
-        # Fixed for the manager's life, read here once rather than through the proxy per
-        # batch: the one group without buckets, and the slices by rows (cleared in place
-        # when the loads change).
+        # Read once, not through the proxy per batch: the one group without buckets, the
+        # slices by rows (cleared in place when the loads change), and whether the one CPU
+        # replica's share runs on this thread (as ``DeviceWorkers.run`` would, less the list).
         self.group = mgr.execgrp if mgr.bucket_module is None else None
         self.slices = mgr._slices
-        # One CPU replica: ``DeviceWorkers.run`` would run its share on this thread anyway;
-        # the group's serial hand-off does so without the tasks list (same share, same thread).
         self.on_caller = len(mgr.devices) == 1 and mgr.devices[0].type == "cpu"
 
     def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
