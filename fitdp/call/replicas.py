@@ -151,6 +151,11 @@ class Replicas:
         self.manager.copy_to(params, dict(module.named_buffers()))
         self._stored = self._versions()
 
+    @property
+    def shards_weights(self) -> bool:
+        """FSDP2: each rank holds a shard of every parameter."""
+        return isinstance(self.engine, FSDP)
+
     def _versions(self) -> list[int]:
         """The in-place version of each of this rank's shards (FSDP2; [] otherwise)."""
         return shard_versions(self.manager.master_parameters()) if isinstance(

@@ -87,9 +87,8 @@ class Callback:
         gathering its shards is a collective every rank joins (it would hang). Raises a
         ValueError when the fit starts, before the first step."""
         from fitdp.checks import fail
-        from fitdp.executor.engines import FSDP
 
-        if isinstance(getattr(getattr(self.model, "_replicas", None), "engine", None), FSDP):
+        if getattr(self.model, "shards_weights", False):
             fail(f"callbacks=[{type(self).__name__}(...)]", "a fit with strategy='fsdp'",
                  "strategy='ddp' or 'auto' with this callback in this version (it saves from "
                  "rank 0 alone)", "call model.save(path) on every rank from your own "

@@ -102,6 +102,12 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         return self._replicas.manager.work_load_list if self._replicas is not None else None
 
     @property
+    def shards_weights(self) -> bool:
+        """Whether the replicas in use shard the weights across ranks (``strategy="fsdp"``):
+        saving then gathers them, a collective every rank must join."""
+        return self._replicas is not None and self._replicas.shards_weights
+
+    @property
     def lr_scheduler(self) -> Any:
         """The scheduler of ``compile(lr_scheduler=...)``, or None."""
         return self._trainer.scheduler if self._trainer is not None else None
