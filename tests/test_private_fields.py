@@ -31,18 +31,30 @@ def private_names(tree: ast.AST) -> set[str]:
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
 
 
+def reached(node: ast.AST) -> tuple[ast.AST | None, str | None]:
+    """The object and attribute name ``node`` reaches: ``x._a``, or ``getattr(x, "_a", ...)``
+    / ``setattr(x, "_a", ...)`` / ``hasattr(x, "_a")`` spelled with a constant name."""
+    if isinstance(node, ast.Attribute):
+        return node.value, node.attr
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+        return node.args[0], node.args[1].value
+    return None, None
+
+
 def foreign_private_access(files: dict[str, ast.AST]) -> list[str]:
     defined = {name: private_names(tree) for name, tree in files.items()}
     everywhere = set().union(*defined.values()) - TORCH_FIELDS
     found = []
     for name, tree in files.items():
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Attribute) and node.attr in everywhere):
+            target, attr = reached(node)
+            if attr not in everywhere or attr in defined[name]:
                 continue
-            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            if isinstance(target, ast.Name) and target.id in ("self", "cls"):
                 continue
-            if node.attr not in defined[name]:
-                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+            found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     return found
 
 
@@ -57,3 +69,12 @@ def test_the_check_sees_a_foreign_private_read():
         "b.py": ast.parse("def save(model):\n    return model._replicas\n"),
     }
     assert foreign_private_access(files) == ["b.py:2: model._replicas"]
+
+
+def test_the_check_sees_a_foreign_private_read_through_getattr():
+    """Regression: a callback read ``getattr(self.model, "_replicas", None)``."""
+    files = {
+        "a.py": ast.parse("class Model:\n    def __init__(self):\n        self._replicas = 1\n"),
+        "b.py": ast.parse("def save(cb):\n    return getattr(cb.model, '_replicas', None)\n"),
+    }
+    assert foreign_private_access(files) == ["b.py:2: getattr(cb.model, '_replicas', None)"]

@@ -112,6 +112,11 @@ class CallbackList:
             if hasattr(cb, "set_model"):
                 cb.set_model(model)
 
+    @property
+    def params(self) -> dict[str, Any]:
+        """The run parameters last given to ``set_params`` (a copy; empty before)."""
+        return dict(self._params or {})
+
     def set_params(self, params: dict[str, Any]) -> None:
         """Pass the run parameters (`epochs`, `steps`, `verbose`, `batch_size`, `resumed`)."""
         self._params = dict(params)

@@ -215,7 +215,7 @@ class ModelIO:
             cbs = session.plan.callbacks
             resumed = {"path": path, "epoch": self.run.next_epoch,
                        "step": self.run.global_step}
-            cbs.set_params({**getattr(cbs, "_params", {}), "resumed": resumed})
+            cbs.set_params({**cbs.params, "resumed": resumed})
         return state
 
     # -- weights ------------------------------------------------------------------------------
