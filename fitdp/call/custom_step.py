@@ -63,7 +63,7 @@ class CustomStep:
         self.manager: Any = None
         self.trainer: Any = None
         # Per device: log key -> (sum of value * rows, rows) of extra logs a step returned.
-        self._logs: list[dict[str, list[float]]] = [{} for _ in devices]
+        self._logs: list[dict[str, list[Any]]] = [{} for _ in devices]
 
     def bind(self, manager: Any, trainer: Any) -> None:
         """The executor manager the step runs in (a device's index is its executor's place
@@ -139,9 +139,10 @@ class CustomStep:
         for key, value in result.items():
             if key == "loss" and not manual:
                 continue
-            number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-            acc = logs.setdefault(key, [0.0, 0.0])
-            acc[0] += number * rows
+            # Kept on the value's device until a log point reads it: no host sync per step.
+            number = value.detach() if isinstance(value, torch.Tensor) else float(value)
+            acc = logs.setdefault(key, [0.0, 0])
+            acc[0] = acc[0] + number * rows
             acc[1] += rows
         loss = result.get("loss")
         if loss is None or manual:  # a manual step (``optimizer_step``) used its losses
@@ -187,7 +188,7 @@ class CustomStep:
         for logs in self._logs:
             for key, (total, rows) in logs.items():
                 acc = merged.setdefault(key, [0.0, 0.0])
-                acc[0] += total
+                acc[0] += float(total)  # the log point's read (a host sync on a GPU)
                 acc[1] += rows
         return merged
 
