@@ -151,6 +151,14 @@ class Replicas:
         self.manager.copy_to(params, dict(module.named_buffers()))
         self._stored = self._versions()
 
+    def sharded_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """FSDP2: ``module``'s state with each parameter as this rank's shard (a DTensor, no
+        gather) and the buffers copied from the replica into ``module`` (not sharded)."""
+        wait_for_snapshots()  # an async save may be copying the host buffers
+        self.manager.copy_to({}, dict(module.named_buffers()))
+        shards = self.manager.named_master_parameters()
+        return {k: shards.get(k, v) for k, v in module.state_dict().items()}
+
     @property
     def shards_weights(self) -> bool:
         """FSDP2: each rank holds a shard of every parameter."""

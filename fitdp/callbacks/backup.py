@@ -10,6 +10,7 @@ from fitdp.callbacks._save_freq import check_save_freq, step_save_due
 from fitdp.callbacks.base import Callback
 from fitdp.checks import check_path_arg
 from fitdp.saving.seal import CheckpointError, verify
+from fitdp.saving.sharded import is_checkpoint, remove_checkpoint, verify_sharded
 
 
 class BackupAndRestore(Callback):
@@ -19,7 +20,8 @@ class BackupAndRestore(Callback):
     new one, never a broken file) at each epoch end or every N optimizer steps. Before training,
     `fit` asks `resume_path()` and, when a backup exists, resumes from it. After a successful
     `fit` the backup is deleted (unless `delete_checkpoint=False`), so the next `fit` starts
-    fresh. Only the main process writes or deletes.
+    fresh. Only the main process writes or deletes; with `strategy="fsdp"` every rank takes
+    part in each backup (each writes its shards: the backup is then a folder of that name).
 
     With `double_checkpoint=True` the backup before the latest is kept as
     `backup_dir/backup.prev.ckpt`; when the latest is missing or damaged (its seal or a record
@@ -75,18 +77,21 @@ class BackupAndRestore(Callback):
         and the previous one is returned when the latest is missing or damaged.
         """
         if not self.double_checkpoint:
-            return self.path if os.path.isfile(self.path) else None
+            return self.path if is_checkpoint(self.path) else None
         try:
-            with open(self.path, "rb") as f:
-                verify(f, self.path)
+            if os.path.isdir(self.path):  # a sharded backup (strategy="fsdp")
+                verify_sharded(self.path)
+            else:
+                with open(self.path, "rb") as f:
+                    verify(f, self.path)
             return self.path
         except FileNotFoundError:
             pass  # no backup, or another rank just set a damaged one aside
         except CheckpointError as e:
-            if not os.path.isfile(self.previous_path):
+            if not is_checkpoint(self.previous_path):
                 return self.path  # nothing to fall back to: loading it reports the damage
             self._set_aside(e)
-        return self.previous_path if os.path.isfile(self.previous_path) else None
+        return self.previous_path if is_checkpoint(self.previous_path) else None
 
     def _set_aside(self, error: CheckpointError) -> None:
         """Move a damaged latest backup out of the rotation (kept for inspection)."""
@@ -95,6 +100,8 @@ class BackupAndRestore(Callback):
                       f"the previous one, {self.previous_path}. The damaged file is kept as "
                       f"{damaged}.", UserWarning, stacklevel=3)
         if self._is_main_process():
+            if os.path.isdir(damaged):  # os.replace replaces only files
+                remove_checkpoint(damaged)
             os.replace(self.path, damaged)
 
     def latest_checkpoint(self) -> str | None:
@@ -102,13 +109,18 @@ class BackupAndRestore(Callback):
         return self.resume_path()
 
     def _backup(self) -> None:
-        if not self._is_main_process():
+        """Every rank with strategy="fsdp" (each writes its shards), else the main one."""
+        if not self._takes_part_in_saves():
             return
-        os.makedirs(self.backup_dir, exist_ok=True)
-        self._wait()  # the file rotated below must be complete
-        if self.double_checkpoint and os.path.isfile(self.path):
-            # A crash right after this leaves only the previous backup: resume_path uses it.
-            os.replace(self.path, self.previous_path)
+        self._wait()  # the backup rotated below must be complete
+        if self._is_main_process():
+            os.makedirs(self.backup_dir, exist_ok=True)
+            if self.double_checkpoint and is_checkpoint(self.path):
+                if os.path.isdir(self.previous_path):  # os.replace replaces only files
+                    remove_checkpoint(self.previous_path)
+                # A crash right after this leaves only the previous backup: resume_path
+                # uses it.
+                os.replace(self.path, self.previous_path)
         if self.async_save:
             self.model.save(self.path, async_save=True)
             self._pending = True
@@ -122,7 +134,6 @@ class BackupAndRestore(Callback):
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         self._last_step = 0
-        self._refuse_sharded()  # FSDP2: saving is a collective
 
     def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
         step = int(self.model.global_step)
@@ -139,10 +150,7 @@ class BackupAndRestore(Callback):
         self._wait()
         if self.delete_checkpoint and self._is_main_process():
             for path in (self.path, self.previous_path, self.path + ".damaged"):
-                try:
-                    os.remove(path)
-                except FileNotFoundError:
-                    pass
+                remove_checkpoint(path)
             try:
                 os.rmdir(self.backup_dir)  # only when empty: never another run's files
             except OSError:

@@ -82,17 +82,11 @@ class Callback:
         """False on non-zero ranks: such a callback must not write files, print or log."""
         return self.model is None or bool(getattr(self.model, "is_main_process", True))
 
-    def _refuse_sharded(self) -> None:
-        """A callback that saves from the main process alone cannot save an FSDP2 model:
-        gathering its shards is a collective every rank joins (it would hang). Raises a
-        ValueError when the fit starts, before the first step."""
-        from fitdp.checks import fail
-
-        if getattr(self.model, "shards_weights", False):
-            fail(f"callbacks=[{type(self).__name__}(...)]", "a fit with strategy='fsdp'",
-                 "strategy='ddp' or 'auto' with this callback in this version (it saves from "
-                 "rank 0 alone)", "call model.save(path) on every rank from your own "
-                 "callback (its on_epoch_end), or use strategy='ddp'", described=True)
+    def _takes_part_in_saves(self) -> bool:
+        """Whether this process joins the checkpoint saves: the main process, and with
+        ``strategy="fsdp"`` every rank (each writes its own shards, so every rank makes the
+        same decisions: the logs they read are combined over the ranks)."""
+        return self._is_main_process() or bool(getattr(self.model, "shards_weights", False))
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         """Called once at the start of `fit`: reset per-run state here."""

@@ -18,6 +18,7 @@ from fitdp.callbacks._monitored_value import (
 from fitdp.callbacks._save_freq import BatchCounter, check_save_freq
 from fitdp.callbacks.base import Callback
 from fitdp.checks import check_int, check_number, check_path_arg, fail
+from fitdp.saving.sharded import is_checkpoint, remove_checkpoint
 
 
 class ModelCheckpoint(Callback):
@@ -29,7 +30,8 @@ class ModelCheckpoint(Callback):
     `"ckpt-{epoch:02d}-{val_loss:.3f}.ckpt"` or `"c-{epoch}-{batch}-{loss:.3f}.ckpt"`. A save
     is skipped with a warning when the monitored value or the loss is NaN/inf, or when any
     weight is non-finite, so a diverged run never overwrites a good checkpoint. Only the main
-    process writes.
+    process writes, prints and prunes; with `strategy="fsdp"` every rank takes part in each
+    save (each writes its shards: a checkpoint is then a folder, see `Model.save`).
 
     Args:
         filepath: path template, `str.format` style with named fields only.
@@ -97,7 +99,6 @@ class ModelCheckpoint(Callback):
         self._epoch = 0
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
-        self._refuse_sharded()  # FSDP2: saving is a collective
         # `best` carries over between fits, as in Keras; the batch count restarts.
         self._counter.reset()
         self._epoch = 0
@@ -121,16 +122,19 @@ class ModelCheckpoint(Callback):
             self._prune()
 
     def _save(self, logs: dict[str, float] | None, batch: int | None) -> None:
-        """Save unless something is non-finite or (`save_best_only`) nothing improved."""
-        if not self._is_main_process():
+        """Save unless something is non-finite or (`save_best_only`) nothing improved.
+        FSDP2: every rank runs this (the save is a collective), with the same logs."""
+        if not self._takes_part_in_saves():
             return
+        main = self._is_main_process()
         logs = dict(logs or {})
         where = f"epoch {self._epoch + 1}" + ("" if batch is None else f", batch {batch + 1}")
         for key in dict.fromkeys((monitor_key(logs, self.monitor), "loss")):
             if key in logs and not is_finite(logs[key]):
-                warnings.warn(f"ModelCheckpoint skipped the save at {where}: {key} is "
-                              f"{logs[key]}; a diverged model must not replace a good "
-                              "checkpoint.", UserWarning, stacklevel=3)
+                if main:
+                    warnings.warn(f"ModelCheckpoint skipped the save at {where}: {key} is "
+                                  f"{logs[key]}; a diverged model must not replace a good "
+                                  "checkpoint.", UserWarning, stacklevel=3)
                 return
         if self.save_best_only:
             current = monitor_value(logs, self.monitor, "ModelCheckpoint(save_best_only=True)")
@@ -140,15 +144,16 @@ class ModelCheckpoint(Callback):
         improved = current is not None and is_improvement(current, self.best, self.mode, 0.0)
         if self.save_best_only and current is not None and not improved:
             return
-        bad = self.model.nonfinite_weights()
+        bad = self.model.nonfinite_weights()  # (FSDP2: a collective)
         if bad:
-            warnings.warn(f"ModelCheckpoint skipped the save at {where}: non-finite values in "
-                          f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}.",
-                          UserWarning, stacklevel=3)
+            if main:
+                warnings.warn(f"ModelCheckpoint skipped the save at {where}: non-finite "
+                              f"values in {', '.join(bad[:5])}"
+                              f"{' ...' if len(bad) > 5 else ''}.", UserWarning, stacklevel=3)
             return
         path = self._format(logs, batch)
         folder = os.path.dirname(path)
-        if folder:
+        if folder and main:
             os.makedirs(folder, exist_ok=True)
         if improved:
             self.best = current
@@ -157,7 +162,7 @@ class ModelCheckpoint(Callback):
             self._written.remove(path)
         self._written.append(path)
         self._write(path)
-        if self.verbose:
+        if self.verbose and main:
             print(f"{where.capitalize()}: saved {path}"
                   + (f" ({self.monitor} = {current:.4g})" if current is not None else ""))
         self._prune()
@@ -197,10 +202,8 @@ class ModelCheckpoint(Callback):
         while self.keep is not None and len(durable) > self.keep:
             old = durable.pop(0)
             self._written.remove(old)
-            try:
-                os.remove(old)
-            except FileNotFoundError:
-                pass
+            if self._is_main_process():
+                remove_checkpoint(old)  # a file, or a sharded checkpoint's folder
 
     def latest_checkpoint(self) -> str | None:
         """The newest complete file this callback wrote, else the newest matching on disk.
@@ -212,9 +215,9 @@ class ModelCheckpoint(Callback):
         if self.save_weights_only:
             return None
         for path in reversed(self._written):
-            if os.path.isfile(path):
+            if is_checkpoint(path):
                 return path
-        found = [p for p in glob.glob(_glob_pattern(self.filepath)) if os.path.isfile(p)]
+        found = [p for p in glob.glob(_glob_pattern(self.filepath)) if is_checkpoint(p)]
         return max(found, key=os.path.getmtime) if found else None
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -56,10 +57,13 @@ def full_state(module: nn.Module) -> dict[str, Any]:
 
 
 def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
-         async_save: bool = False) -> Future[None] | None:
+         async_save: bool = False, before: Callable[[Path], None] | None = None
+         ) -> Future[None] | None:
     """Write ``state`` as ``folder/step-<step>`` (every rank its shards), then point
-    ``LATEST`` at it. With ``async_save`` the shards are staged to CPU and written by a
-    thread (``dcp.async_save``); the returned future completes after ``LATEST`` moved.
+    ``LATEST`` at it. With ``async_save`` the shards are staged to CPU (before this returns)
+    and written by a thread (``dcp.async_save``); the returned future completes after
+    ``LATEST`` moved. ``before(target)`` runs on the coordinator once the target folder is
+    made, before any shard is written (what only rank 0 writes into the same checkpoint).
     """
     root = Path(folder)
     target = root / f"step-{step}"
@@ -67,20 +71,32 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
         root.mkdir(parents=True, exist_ok=True)
         if target.exists():  # a crashed attempt at the same step: never named by LATEST
             shutil.rmtree(target)
+        target.mkdir()
+        if before is not None:
+            before(target)
+    group = checkpoint_group()
     _barrier()
     if not async_save:
         with warnings.catch_warnings():  # as in load
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save(state, checkpoint_id=str(target), no_dist=not _grouped())
+            dcp.save(state, checkpoint_id=str(target), no_dist=not _grouped(),
+                     process_group=group)
         _publish(root, target.name)
+        _barrier()  # no rank returns before LATEST names the new checkpoint
         return None
-    pending = dcp.async_save(state, checkpoint_id=str(target), no_dist=not _grouped())
+    # Its own process group: the writer thread's collectives (gathering the shards' write
+    # results) run while training's run on the default group.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        pending = dcp.async_save(state, checkpoint_id=str(target), no_dist=not _grouped(),
+                                 process_group=group)
     done: Future[None] = Future()
 
     def finish(fut: Any) -> None:
         try:
             fut.result()
             _publish(root, target.name)
+            _barrier()  # (on DCP's thread, still the group's only user)
             done.set_result(None)
         except BaseException as err:  # noqa: BLE001 - handed to whoever waits
             done.set_exception(err)
@@ -89,23 +105,43 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     return done
 
 
-def load(folder: str | os.PathLike[str], state: dict[str, Any]) -> int:
+def next_step(folder: str | os.PathLike[str]) -> int:
+    """One past the step ``LATEST`` names in ``folder`` (1 for a new folder), as the
+    coordinator reads it: the same number on every rank (a broadcast)."""
+    found = latest(folder) if _coordinator() else None
+    number = [0 if found is None else int(found.removeprefix("step-")) + 1]
+    if _grouped():
+        dist.broadcast_object_list(number, src=0, group=checkpoint_group())
+    return max(number[0], 1)
+
+
+def latest(folder: str | os.PathLike[str]) -> str | None:
+    """The name of the newest complete checkpoint in ``folder`` (``step-<n>``), or None."""
+    try:
+        return (Path(folder) / LATEST).read_text().strip() or None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def load(folder: str | os.PathLike[str], state: dict[str, Any], *,
+         each_rank: bool = False) -> int:
     """Fill ``state`` in place (its tensors' shapes and shardings say what each rank reads)
-    from the checkpoint ``LATEST`` names; returns its step.
+    from the checkpoint ``LATEST`` names; returns its step. ``each_rank``: every rank reads
+    the plain tensors of ``state`` whole on its own (no collective).
 
     Raises:
         FileNotFoundError: no complete checkpoint in ``folder``.
     """
     root = Path(folder)
-    try:
-        name = (root / LATEST).read_text().strip()
-    except FileNotFoundError:
+    name = latest(root)
+    if name is None:
         raise FileNotFoundError(f"path: no complete sharded checkpoint in {str(root)!r} (no "
                                 f"{LATEST} file); expected a folder written by fitdp "
-                                f"with strategy='fsdp'") from None
+                                f"with strategy='fsdp'")
     with warnings.catch_warnings():  # one process is the intent, not a mistake to warn of
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(root / name), no_dist=not _grouped())
+        dcp.load(state, checkpoint_id=str(root / name), no_dist=each_rank or not _grouped(),
+                 process_group=checkpoint_group() if not each_rank else None)
     return int(name.removeprefix("step-"))
 
 
@@ -131,4 +167,20 @@ def _coordinator() -> bool:
 
 def _barrier() -> None:
     if _grouped():
-        dist.barrier()
+        dist.barrier(group=checkpoint_group())
+
+
+_groups: dict[int, Any] = {}  # the default group's id -> the checkpoints' gloo group
+
+
+def checkpoint_group() -> Any:
+    """A gloo group of every rank for checkpoint collectives (made once per default group,
+    on every rank at the same save), or None outside a process group. An async save's
+    thread uses it until its future completes: the caller's thread must not use it before
+    (collectives of two threads on one group may pair up wrongly)."""
+    if not _grouped():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _groups:
+        _groups[key] = dist.new_group(backend="gloo")
+    return _groups[key]

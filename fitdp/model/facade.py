@@ -330,9 +330,10 @@ class Model(KerasSteps, ModelIO, ModelExtras):
     def close(self) -> None:
         """Release the replicas and their worker threads (the weights stay in ``module``);
         wait for background saves. The model stays usable: a later call starts new ones."""
+        self.wait_for_saves()  # (a sharded save's too); raises a failed one's error
         writer, self._writer = self._writer, None
         if writer is not None:
-            writer.close()  # waits for the last save; raises its error
+            writer.close()
         self._release()
 
     def __enter__(self) -> Model:

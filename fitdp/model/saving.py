@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,7 +15,7 @@ from fitdp.compiled.setup import PRECISIONS
 from fitdp.data.sources import SourcePlan
 from fitdp.executor.fence import hold, wait_for_snapshots
 from fitdp.saving.async_writer import AsyncCheckpointWriter
-from fitdp.saving.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fitdp.saving.checkpoint import CheckpointError, save_checkpoint
 from fitdp.saving.entries import (
     RNG,
     Entry,
@@ -27,6 +28,13 @@ from fitdp.saving.entries import (
     warn_skipped,
 )
 from fitdp.saving.export import export_module
+from fitdp.saving.sharded import (
+    existing_checkpoint,
+    nonfinite_names,
+    read_state,
+    save_sharded,
+    sharded_path,
+)
 from fitdp.saving.weights_file import load_weights_file, save_weights_file
 
 if TYPE_CHECKING:
@@ -81,6 +89,7 @@ class ModelIO:
     _replicas: Replicas | None
     _session: Session | None
     _writer: AsyncCheckpointWriter | None
+    _sharded_save: Future[None] | None = None  # an async sharded save in flight
     # What the last fit trained on (its source's plan: layout, buckets), for export's axes.
     _trained_on: SourcePlan | None = None
 
@@ -94,6 +103,10 @@ class ModelIO:
         if self._replicas is not None:
             self._replicas.load_host(self.module)
 
+    def _shards(self) -> bool:
+        """FSDP2: this rank's replica holds shards of the weights."""
+        return self._replicas is not None and self._replicas.shards_weights
+
     def _module_state(self, origin: str, *, strict: bool = True,
                       error: type[Exception] = CheckpointError) -> ModuleState:
         return ModuleState(self.module, self._sync_host, self._load_replicas, origin,
@@ -101,15 +114,23 @@ class ModelIO:
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def _checkpoint_objects(self, origin: str, *, strict: bool = True) -> dict[str, Stateful]:
-        """The objects a checkpoint is made of, in load order; each saves itself."""
-        objects: dict[str, Stateful] = {"module": self._module_state(origin, strict=strict)}
+    def _checkpoint_objects(self, origin: str, *, strict: bool = True,
+                            shards: bool = False) -> dict[str, Stateful]:
+        """The objects a checkpoint is made of, in load order; each saves itself. With
+        ``shards`` (FSDP2, saving only) the weights and optimizer state are this rank's
+        shards, not gathered."""
         replicas = self._replicas
+        whole = self._module_state(origin, strict=strict)
+        objects: dict[str, Stateful] = {"module": whole}
+        if shards and replicas is not None:
+            module = self.module
+            objects["module"] = Entry(lambda: replicas.sharded_weights(module),
+                                      whole.load_state_dict)
         if replicas is not None:  # after "module": it loads the replicas with the average
             objects["replica_buffers"] = Entry(replicas.own_buffers, replicas.load_own_buffers)
         trainer = self._trainer
         if trainer is not None and trainer.optimizer is not None:
-            objects["optimizer"] = OptimizerState(trainer.optimizer)
+            objects["optimizer"] = OptimizerState(trainer.optimizer, whole=not shards)
             for key in ("scheduler", "scaler"):
                 if getattr(trainer, key) is not None:
                     objects[key] = getattr(trainer, key)
@@ -122,7 +143,8 @@ class ModelIO:
         objects["rng"] = RNG
         return objects
 
-    def save(self, path: str | os.PathLike[str], *, async_save: bool = False) -> None:
+    def save(self, path: str | os.PathLike[str], *, async_save: bool = False,
+             sharded: bool | None = None) -> None:
         """Write a checkpoint to ``path`` atomically (only the main process writes).
 
         It holds the device-averaged weights, optimizer, scheduler and scaler state, the
@@ -139,10 +161,22 @@ class ModelIO:
         ``save``, by ``wait_for_saves()`` and at the end of ``fit``, which returns only once
         the last save is on disk.
 
+        With ``strategy="fsdp"`` (after the first fit), call it on **every** rank: by default
+        (``sharded=None``) ``path`` is then a folder in which each rank writes its own shards
+        of the weights and optimizer state through ``torch.distributed.checkpoint`` (none
+        gathers the whole state), rank 0 the rest; ``async_save`` uses ``dcp.async_save``.
+        ``sharded=False`` gathers the shards instead and rank 0 writes one file of whole
+        tensors (the format of every other strategy). Both load anywhere: any world size, one
+        process (``load``, ``fit(resume=...)``). See docs/distributed.md.
+
         Raises:
-            ValueError: ``path`` is a folder or a special file. OSError: the write failed
-                (the previous file is untouched).
+            ValueError: ``path`` is a folder or a special file (sharded: an existing file,
+                or a folder of other files). OSError: the write failed (the previous
+                checkpoint is untouched).
         """
+        if self._shards() if sharded is None else sharded:
+            self._save_sharded(sharded_path("path", path), async_save)
+            return
         path = check_path("path", path)
         state = snapshot(self._checkpoint_objects(path))
         if not self.is_main_process:
@@ -155,6 +189,12 @@ class ModelIO:
         else:
             self.wait_for_saves()  # files land in the order they were asked for
             save_checkpoint(path, state)
+
+    def _save_sharded(self, path: str, async_save: bool) -> None:
+        """Every rank: its shards through DCP, rank 0 the rest; one save in flight."""
+        self.wait_for_saves()  # checkpoints land in the order they were asked for
+        state = snapshot(self._checkpoint_objects(path, shards=self._shards()))
+        self._sharded_save = save_sharded(path, state, async_save=async_save)
 
     def _stepped_tensors(self) -> list[torch.Tensor]:
         """The parameters and optimizer state: only an optimizer step or a load (each behind
@@ -175,6 +215,9 @@ class ModelIO:
         """
         if self._writer is not None:
             self._writer.wait()
+        pending, self._sharded_save = self._sharded_save, None
+        if pending is not None:
+            pending.result()
 
     def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> Skipped:
         """Restore weights (into every replica) and, when compiled, optimizer, scheduler and
@@ -184,19 +227,20 @@ class ModelIO:
         anything is written: a checkpoint of another model changes nothing.
 
         Args:
-            path: a checkpoint written by ``save`` (or a checkpoint callback).
+            path: a checkpoint written by ``save`` (or a checkpoint callback): a file, or
+                the folder of a sharded one.
             strict: with False, load the tensors that match and skip the rest (listed in the
                 returned ``Skipped`` and a warning).
 
         Raises:
             fitdp.CheckpointError: not a sound fitdp checkpoint, or one that does not fit.
         """
-        path = check_path("path", path, must_exist=True)
+        path = existing_checkpoint("path", path)
         wait_for_snapshots()  # the optimizer state an async save may still be copying
         objects = self._checkpoint_objects(path, strict=strict)
         parts = ("module", "optimizer", "scheduler", "scaler")
         keep: dict[str, Stateful] = {k: objects[k] for k in parts if k in objects}
-        restore(keep, load_checkpoint(path), path)
+        restore(keep, read_state(path), path)
         skipped = keep["module"].skipped  # type: ignore[attr-defined]
         warn_skipped(skipped, path)
         return skipped
@@ -204,7 +248,7 @@ class ModelIO:
     def _resume(self, path: str) -> dict[str, Any]:
         """Continue a run from ``path``: everything but the callbacks and the RNG, which
         ``fit`` restores later (after ``on_train_begin``; right before the first batch)."""
-        state = load_checkpoint(path)
+        state = read_state(path)
         wait_for_snapshots()
         objects = self._checkpoint_objects(path)
         later = ("callbacks", "rng")
@@ -263,7 +307,10 @@ class ModelIO:
         return entry.skipped
 
     def nonfinite_weights(self) -> list[str]:
-        """Names of floating-point weights holding NaN or inf (no copy; one host sync)."""
+        """Names of floating-point weights holding NaN or inf (no copy; one host sync).
+        FSDP2: each rank checks its shards (a collective, no gather)."""
+        if self._shards():
+            return nonfinite_names(self._replicas.sharded_weights(self.module))  # type: ignore[union-attr]
         self._sync_host()
         return [k for k, t in self.module.state_dict().items()
                 if t.is_floating_point() and not bool(torch.isfinite(t).all())]

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from fitdp._version import __version__
-from fitdp.checks import FitdpWarning, check_path, fail
+from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.optimizers import optimizer_kind_problem
 from fitdp.executor.engines import reshard_state, whole_state
 from fitdp.saving.checkpoint import (
@@ -21,6 +21,7 @@ from fitdp.saving.checkpoint import (
     remove_stale_temp_files,
     restore_rng_state,
 )
+from fitdp.saving.sharded import existing_checkpoint
 
 log = logging.getLogger("fitdp")
 
@@ -55,13 +56,15 @@ class Entry:
 class OptimizerState:
     """An optimizer's state, tagged with its class so another kind is refused on load."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, *, whole: bool = True) -> None:
+        self.optimizer, self.whole = optimizer, whole
 
     def state_dict(self) -> dict[str, Any]:
         # FSDP2: the state of shards gathered into whole tensors (every rank saves: a
-        # collective), so the checkpoint loads on any world size and in one process.
-        return {**whole_state(self.optimizer.state_dict()),
+        # collective), so the checkpoint loads on any world size and in one process; or,
+        # not ``whole``, the shards as they are (a sharded checkpoint writes each rank's).
+        state = self.optimizer.state_dict()
+        return {**(whole_state(state) if self.whole else state),
                 "fitdp_class": type(self.optimizer).__name__}
 
     def problem(self, state: Mapping[str, Any]) -> str | None:
@@ -260,4 +263,4 @@ def resume_path(resume: str | os.PathLike[str] | None, callbacks: Sequence[Any])
             log.info("fitdp: resume='latest' found no checkpoint yet; starting from scratch")
             return None
         return max(paths, key=os.path.getmtime)
-    return check_path("resume", resume, must_exist=True)
+    return existing_checkpoint("resume", resume)

@@ -1,9 +1,15 @@
-"""One rank of tests/distributed/test_strategy.py's FSDP2 checkpoint job: a fit under
-strategy="fsdp" saves a checkpoint at its first epoch's end (every rank calls ``save``:
-the shards are gathered, rank 0 writes), then a new model resumes from it on 2 ranks; rank 0
-writes both runs' final weights and ``get_weights`` as of the checkpoint.
+"""One rank of tests/distributed/test_strategy.py's FSDP2 checkpoint jobs.
 
-Usage: torchrun ... fsdp_checkpoint_worker.py OUT_DIR
+2 ranks (``OUT``): a fit under strategy="fsdp" saves at its first epoch's end (every rank
+calls ``save``: sharded by default, each rank writes its shards; also with async_save=True
+and as one whole-tensor file, sharded=False) and keeps ModelCheckpoint files; new models
+resume from each; fits with BackupAndRestore (sync and async) are interrupted on every rank
+and run again, resuming from the backup. Rank 0 writes every run's final weights.
+
+3 ranks (``OUT reshard``): the 2-rank checkpoint loaded into 3 shards and saved again, then
+a fit resumed from that.
+
+Usage: torchrun ... fsdp_checkpoint_worker.py OUT_DIR [reshard]
 """
 
 from __future__ import annotations
@@ -15,27 +21,17 @@ import torch
 from torch import nn
 
 import fitdp
+from fitdp.callbacks import BackupAndRestore, ModelCheckpoint
 
 OUT = sys.argv[1]
 RANK = int(os.environ["RANK"])
-CHECKPOINT = os.path.join(OUT, "fsdp.ckpt")
+CHECKPOINT = os.path.join(OUT, "fsdp.ckpt")  # a folder: sharded
 ASYNC = os.path.join(OUT, "fsdp-async.ckpt")  # the same state, through async_save=True
+WHOLE = os.path.join(OUT, "fsdp-whole.ckpt")  # one file of whole tensors (sharded=False)
 torch.set_num_threads(1)
 g = torch.Generator().manual_seed(0)
 x = torch.randn(40, 6, generator=g)
 y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-
-
-class SaveFirstEpoch(fitdp.callbacks.Callback):
-    """Every rank saves (ModelCheckpoint saves from rank 0 alone: not with "fsdp")."""
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
-        if epoch == 0:
-            self.model.save(CHECKPOINT)
-            self.model.save(ASYNC, async_save=True)
-            weights = self.model.get_weights()
-            if RANK == 0:
-                torch.save(weights, os.path.join(OUT, "at-checkpoint.pt"))
 
 
 def model() -> fitdp.Model:
@@ -46,26 +42,69 @@ def model() -> fitdp.Model:
     return m
 
 
-whole = model()
-whole.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, callbacks=[SaveFirstEpoch()])
-resumed, resumed_async = model(), model()
-resumed.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, resume=CHECKPOINT)
-resumed_async.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, resume=ASYNC)
-for name, m in (("uninterrupted", whole), ("resumed", resumed),
-                ("resumed-async", resumed_async)):
-    weights = m.get_weights()  # rank 0 alone: fit's end gathered the shards
+def keep(name: str, m: fitdp.Model) -> None:
+    weights = m.get_weights()  # rank 0 alone may call it: fit's end gathered the shards
     if RANK == 0:
         torch.save(weights, os.path.join(OUT, f"{name}.pt"))
-if RANK == 0:  # rank 0 alone too (the host is whole since fit's end)
+
+
+if sys.argv[2:] == ["reshard"]:
+    three = model()  # epochs=1: the checkpoint's run is past it, nothing trains
+    three.fit(x, y, batch_size=5, epochs=1, verbose=0, resume=CHECKPOINT)
+    three.save(os.path.join(OUT, "three.ckpt"))  # 3 ranks' shards
+    three.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
+              resume=os.path.join(OUT, "three.ckpt"))
+    keep("three-resumed", three)
+    print(f"rank {RANK} reshard done", flush=True)
+    sys.exit(0)
+
+
+class SaveFirstEpoch(fitdp.callbacks.Callback):
+    """Every rank saves, in each form."""
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        if epoch == 0:
+            self.model.save(CHECKPOINT)
+            self.model.save(ASYNC, async_save=True)
+            self.model.save(WHOLE, sharded=False)
+            keep("at-checkpoint", self.model)
+
+
+class Crash(BaseException):
+    """An interruption (as Ctrl-C) on every rank after the 3rd of 4 optimizer steps."""
+
+
+class CrashAtStep3(fitdp.callbacks.Callback):
+    def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
+        if self.model.global_step == 3:
+            raise Crash
+
+
+whole = model()
+checkpoints = ModelCheckpoint(os.path.join(OUT, "mc-{epoch}.ckpt"), monitor="loss", keep=1,
+                              async_save=True)
+whole.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
+          callbacks=[SaveFirstEpoch(), checkpoints])
+keep("uninterrupted", whole)
+for name, path in (("resumed", CHECKPOINT), ("resumed-async", ASYNC), ("resumed-whole", WHOLE)):
+    resumed = model()
+    resumed.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, resume=path)
+    keep(name, resumed)
+for name, is_async in (("backup", False), ("backup-async", True)):
+    folder = os.path.join(OUT, name)
+    try:  # saves after each optimizer step (step 3's mid-epoch), then crashes
+        model().fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, callbacks=[
+            BackupAndRestore(folder, save_freq=1, async_save=is_async), CrashAtStep3()])
+    except Crash:
+        if RANK == 0:  # (rank 0 publishes a save: another rank may look before)
+            print(f"{name} crashed; backup: "
+                  f"{sorted(os.listdir(os.path.join(folder, 'backup.ckpt')))}", flush=True)
+    again = model()  # finds the backup and resumes from it
+    again.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
+              callbacks=[BackupAndRestore(folder, save_freq=1, async_save=is_async)])
+    keep(f"{name}-resumed", again)
+    if RANK == 0:
+        print(f"{name} deleted after the fit: {not os.path.exists(folder)}", flush=True)
+if RANK == 0:  # rank 0 alone (the host is whole since fit's end)
     whole.export(os.path.join(OUT, "fsdp.pt2"), x[:4])
-refused = model()
-torch.manual_seed(0)  # rank 0's initial weights: every rank's once the fit has started
-before = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)).state_dict()
-try:  # saves from rank 0 alone: refused when the fit starts, not a hang
-    refused.fit(x, y, batch_size=5, epochs=1, verbose=0,
-                callbacks=[fitdp.callbacks.ModelCheckpoint(os.path.join(OUT, "mc.ckpt"))])
-except ValueError as err:
-    unchanged = all(torch.equal(v, refused.get_weights()[k]) for k, v in before.items())
-    print(f"rank {RANK} refused: {'ModelCheckpoint' in str(err)}, unchanged: {unchanged}",
-          flush=True)
 print(f"rank {RANK} fsdp checkpoint done", flush=True)

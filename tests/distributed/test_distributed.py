@@ -27,9 +27,10 @@ def free_port() -> int:
 
 
 def launch(scenario: str, out, max_restarts: int = 0, limit: float = 120,
-           script: list | None = None):
-    """Run the 2-rank job; kill its whole process group if it outlives ``limit`` seconds."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           script: list | None = None, nproc: int = 2):
+    """Run the job (2 ranks unless ``nproc``); kill its whole process group if it outlives
+    ``limit`` seconds."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "--max-restarts", str(max_restarts), *(script or [WORKER, scenario, str(out)])]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",

@@ -4,10 +4,6 @@ call attaches (before any weight changes), and the engines' gradient arithmetic 
 from __future__ import annotations
 
 import os
-import random
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -103,40 +99,6 @@ def test_a_two_rank_sharded_checkpoint_loads_in_one_process(sharded_job):
     assert sorted(p.name for p in (sharded_job / "ckpt").iterdir()) == ["LATEST", "step-2"]
 
 
-KILLED_SAVER = """
-import sys, torch
-from torch import nn
-from fitdp.executor import sharded_io
-module = nn.Linear(512, 1024)
-for step in range(1, 1000):
-    with torch.no_grad():
-        module.weight.fill_(step)
-    sharded_io.save(sys.argv[1], step, sharded_io.sharded_state(module, None))
-    print(step, flush=True)
-"""
-
-
-def test_a_sharded_save_killed_at_any_moment_leaves_the_previous_complete_one(tmp_path):
-    """SIGKILL lands while the next checkpoint is being written (2 MB per save, no pause):
-    LATEST still names a whole checkpoint, whose every value is from one step."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, str(tmp_path / "c")],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        for _ in range(3):
-            assert proc.stdout is not None and proc.stdout.readline()
-        time.sleep(random.uniform(0, 0.02))  # somewhere inside a later save
-    finally:
-        proc.kill()
-        proc.wait()
-    module = nn.Linear(512, 1024)
-    state = sharded_io.sharded_state(module, None)
-    step = sharded_io.load(tmp_path / "c", state)
-    sharded_io.load_sharded_state(module, None, state)
-    assert step >= 3
-    assert torch.equal(module.weight, torch.full_like(module.weight, step))
-
-
 def one_process(optimizer: str, accum: int, clip: float | None, precision: str) -> dict:
     """strategy_worker.py's fit in one process on the whole global batch of 10."""
     x = torch.randn(44, 6, generator=torch.Generator().manual_seed(0))
@@ -198,60 +160,3 @@ def test_fsdp_fit_equals_one_process_on_the_whole_batch(strategy_job, strategy):
     assert output.count("sharded parameters per replica [4, 4, 4, 4, 4, 4]") == 2, output
     assert output.count(f"{strategy} optimizer state in shards: 8 of 12") == 2, output
     assert_equals_one_process(out, strategy)
-
-
-@pytest.fixture(scope="module")
-def fsdp_checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp-checkpoint")
-    worker = os.path.join(os.path.dirname(__file__), "fsdp_checkpoint_worker.py")
-    code, output, _ = launch("", out, script=[worker, str(out)], limit=180)
-    assert code == 0, output
-    assert output.count("fsdp checkpoint done") == 2, output
-    return out, output
-
-
-@pytest.mark.distributed
-def test_an_fsdp_checkpoint_resumes_on_two_ranks_bitwise(fsdp_checkpoint):
-    """model.save under strategy='fsdp' on every rank (weights and AdamW state gathered from
-    the shards, rank 0 writes): a new 2-rank fit resumed from it ends bit for bit where the
-    uninterrupted fit did."""
-    out, _ = fsdp_checkpoint
-    whole = torch.load(out / "uninterrupted.pt", weights_only=True)
-    for saved in ("resumed", "resumed-async"):  # model.save, and with async_save=True
-        resumed = torch.load(out / f"{saved}.pt", weights_only=True)
-        assert all(torch.equal(resumed[k], v) for k, v in whole.items()), saved
-
-
-@pytest.mark.distributed
-def test_an_fsdp_checkpoint_loads_and_resumes_in_one_process(fsdp_checkpoint):
-    """The 2-rank FSDP checkpoint holds whole tensors: a single-process Model loads the
-    weights rank 0's get_weights gave, and resumes to the 2-rank run's end (allclose)."""
-    out, _ = fsdp_checkpoint
-    x = torch.randn(40, 6, generator=torch.Generator().manual_seed(0))
-    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-    model = fitdp.Model(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)))
-    model.compile(optimizer="adamw", lr=0.05, loss="cross_entropy", grad_accum_steps=2,
-                  grad_clip_norm=0.05)
-    model.load(out / "fsdp.ckpt")
-    at = torch.load(out / "at-checkpoint.pt", weights_only=True)
-    assert all(torch.equal(model.get_weights()[k], v) for k, v in at.items())
-    model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0, devices=["cpu"],
-              resume=out / "fsdp.ckpt")
-    whole = torch.load(out / "uninterrupted.pt", weights_only=True)
-    for k, v in model.get_weights().items():
-        torch.testing.assert_close(v, whole[k], rtol=1e-4, atol=1e-4, msg=k)
-
-
-@pytest.mark.distributed
-def test_an_fsdp_models_export_holds_the_whole_weights(fsdp_checkpoint):
-    out, _ = fsdp_checkpoint
-    x = torch.randn(7, 6)
-    net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
-    net.load_state_dict(torch.load(out / "uninterrupted.pt", weights_only=True))
-    torch.testing.assert_close(fitdp.load_predictor(out / "fsdp.pt2")(x), net(x))
-
-
-@pytest.mark.distributed
-def test_a_rank_zero_saving_callback_with_fsdp_is_refused_not_a_hang(fsdp_checkpoint):
-    _, output = fsdp_checkpoint
-    assert output.count("refused: True, unchanged: True") == 2, output

@@ -1,0 +1,217 @@
+"""Sharded checkpoints (``strategy="fsdp"``): one folder in which every rank writes its own
+shards of the weights and optimizer state through ``torch.distributed.checkpoint`` and rank 0
+alone writes the rest (run position, callbacks, RNG, schedules) as an ordinary fitdp file.
+
+Layout (``fitdp.executor.sharded_io``)::
+
+    path/LATEST                 names the newest complete step-<n> (replaced atomically)
+    path/step-<n>/state.ckpt    rank 0's part: the checkpoint dict, each tensor of the
+                                weights and optimizer state replaced by a reference
+    path/step-<n>/.metadata     DCP's index of the shards, written last by rank 0
+    path/step-<n>/__<r>_0.distcp  rank r's shards
+
+Loading reads the reference file and the shards as whole tensors (DCP reshards them to any
+layout), so the loaded dict is the one an unsharded checkpoint holds: it loads on any world
+size and into one process, through the same checks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fitdp.checks import check_path, fail
+from fitdp.executor import sharded_io
+from fitdp.saving.checkpoint import check_state, load_checkpoint, write_checkpoint
+from fitdp.saving.seal import CheckpointError
+
+__all__ = ["existing_checkpoint", "is_checkpoint", "is_sharded", "load_sharded",
+           "nonfinite_names", "read_state", "remove_checkpoint", "save_sharded",
+           "sharded_path", "verify_sharded"]
+
+REST = "state.ckpt"
+SHARD = "__fitdp_shard__"  # the key of a reference to a tensor written by DCP
+SHARDED_ENTRIES = ("module", "optimizer")  # the entries whose tensors DCP writes
+
+
+def is_sharded(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder holding a complete sharded checkpoint."""
+    return sharded_io.latest(path) is not None
+
+
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """A checkpoint file, or a complete sharded checkpoint folder."""
+    return os.path.isfile(path) or is_sharded(path)
+
+
+def existing_checkpoint(name: str, path: Any) -> str:
+    """``path`` as a string naming a checkpoint to read: a file, or a sharded folder.
+
+    Raises:
+        TypeError: not a path. FileNotFoundError: nothing there. ValueError: a folder that
+            holds no complete sharded checkpoint, or a special file.
+    """
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        if not is_sharded(path):
+            fail(name, os.fspath(path), "a checkpoint file, or a folder holding a complete "
+                 f"sharded checkpoint (a {sharded_io.LATEST} file)", "pass the checkpoint "
+                 "itself (a folder without LATEST holds no complete sharded save)")
+        return os.fspath(path)
+    return check_path(name, path, must_exist=True)
+
+
+def sharded_path(name: str, path: Any) -> str:
+    """``path`` as a string naming a sharded checkpoint folder to write: new, or one a
+    sharded save made (it may hold the leftovers of a killed save).
+
+    Raises:
+        TypeError: not a path. ValueError: an existing file, or a folder of something else.
+    """
+    text = check_path(name, path) if not os.path.isdir(path) else os.fspath(path)
+    if os.path.isfile(text):
+        fail(name, text, "a folder for a sharded checkpoint (strategy='fsdp' saves one), not "
+             "an existing file", "save to a new path, or pass sharded=False for one file")
+    if os.path.isdir(text) and not all(e.startswith(("step-", sharded_io.LATEST, "."))
+                                       for e in os.listdir(text)):
+        fail(name, text, "a new folder or one a sharded save wrote (LATEST, step-<n>)",
+             "save to a new path; fitdp never writes into a folder of other files")
+    return text
+
+
+def save_sharded(path: str, state: dict[str, Any], *, async_save: bool = False
+                 ) -> Future[None] | None:
+    """Write the checkpoint dict ``state`` as a sharded checkpoint (every rank calls it with
+    its own shards; rank 0's non-tensor state is the one kept). With ``async_save`` the shards
+    are copied to host memory before this returns and written by DCP's thread; the future
+    completes once ``LATEST`` names them."""
+    rest, shards = _split(state)
+    check_state(rest)  # refused before any folder is made
+
+    def write_rest(target: Path) -> None:
+        write_checkpoint(str(target / REST), rest, sharded=True)
+
+    return sharded_io.save(path, sharded_io.next_step(path), shards, async_save=async_save,
+                           before=write_rest)
+
+
+def load_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint dict a sharded checkpoint holds, every tensor whole (on every rank that
+    calls it, with no collective).
+
+    Raises:
+        CheckpointError: no complete checkpoint, or its rank-0 file is damaged.
+    """
+    name = sharded_io.latest(path)
+    if name is None:
+        raise CheckpointError(f"{os.fspath(path)}: not a sharded checkpoint (no "
+                              f"{sharded_io.LATEST} file)")
+    rest = load_checkpoint(os.path.join(path, name, REST))
+    shards: dict[str, torch.Tensor] = {}
+    _collect(rest, shards)
+    sharded_io.load(path, shards, each_rank=True)
+    return _join(rest, shards)
+
+
+def read_state(path: str) -> dict[str, Any]:
+    """A checkpoint's dict, from a file or a sharded folder."""
+    return load_sharded(path) if os.path.isdir(path) else load_checkpoint(path)
+
+
+def verify_sharded(path: str | os.PathLike[str]) -> None:
+    """Check what can be checked without reading the shards: ``LATEST`` names a folder with
+    DCP's index and a sound rank-0 file.
+
+    Raises:
+        FileNotFoundError: no sharded checkpoint there. CheckpointError: a damaged one.
+    """
+    name = sharded_io.latest(path)
+    if name is None:
+        raise FileNotFoundError(f"{os.fspath(path)}: no sharded checkpoint")
+    step = os.path.join(path, name)
+    if not os.path.isfile(os.path.join(step, ".metadata")):
+        raise CheckpointError(f"{step}: DCP's .metadata is missing")
+    load_checkpoint(os.path.join(step, REST))
+
+
+def nonfinite_names(state: dict[str, torch.Tensor]) -> list[str]:
+    """The floating-point entries of ``state`` holding NaN or inf; FSDP2 shards are checked
+    where they are, and the verdicts combined over the ranks (a collective every rank joins,
+    of one flag per entry: no gather)."""
+    names = [k for k, t in state.items() if t.is_floating_point()]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in (state[k] for k in names)]
+    flags = torch.tensor([not bool(torch.isfinite(t).all()) for t in local], dtype=torch.uint8)
+    if any(isinstance(t, DTensor) for t in state.values()):
+        # The default group, on the shards' device (NCCL takes no CPU tensor): the
+        # checkpoints' own group may be busy in an async save's thread.
+        flags = flags.to(local[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [k for k, bad in zip(names, flags.tolist()) if bad]
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint file or sharded folder (nothing when it is gone already)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``state`` with every tensor of ``SHARDED_ENTRIES`` replaced by a reference (its DCP
+    key, global shape and dtype), and those tensors by key."""
+    shards: dict[str, torch.Tensor] = {}
+
+    def to_ref(value: Any, key: str) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return _DESCEND
+        shards[key] = value
+        return {SHARD: key, "shape": list(value.shape),
+                "dtype": str(value.dtype).removeprefix("torch.")}
+
+    rest = {k: _map(v, to_ref, k) if k in SHARDED_ENTRIES else v for k, v in state.items()}
+    return rest, shards
+
+
+def _collect(rest: dict[str, Any], out: dict[str, torch.Tensor]) -> None:
+    """An empty whole tensor for every reference in ``rest`` (what DCP fills)."""
+    def empty(value: Any, key: str) -> Any:
+        if not _is_ref(value):
+            return _DESCEND
+        out[value[SHARD]] = torch.empty(value["shape"], dtype=getattr(torch, value["dtype"]))
+        return value
+
+    _map(rest, empty, "")
+
+
+def _join(rest: dict[str, Any], shards: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return _map(rest, lambda v, k: shards[v[SHARD]] if _is_ref(v) else _DESCEND, "")
+
+
+def _is_ref(value: Any) -> bool:
+    return isinstance(value, dict) and SHARD in value
+
+
+_DESCEND = object()  # a leaf function's answer: not mine, look inside
+
+
+def _map(value: Any, leaf: Any, key: str) -> Any:
+    """``value`` rebuilt with ``leaf(v, key)`` for each part it answers (keys are the path of
+    dict keys and list indices, joined by "/")."""
+    done = leaf(value, key)
+    if done is not _DESCEND:
+        return done
+    if isinstance(value, dict):
+        return {k: _map(v, leaf, f"{key}/{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, leaf, f"{key}/{i}") for i, v in enumerate(value))
+    return value

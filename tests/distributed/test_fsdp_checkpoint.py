@@ -1,0 +1,186 @@
+"""Checkpoints under strategy="fsdp" (issue 20, item 3): sharded saves through DCP from
+model.save, ModelCheckpoint and BackupAndRestore; resumed bitwise on 2 ranks, loaded in one
+process and on 3 ranks; atomic under SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_distributed import launch
+from torch import nn
+
+import fitdp
+from fitdp.saving.checkpoint import load_checkpoint
+from fitdp.saving.sharded import load_sharded
+
+WORKER = os.path.join(os.path.dirname(__file__), "fsdp_checkpoint_worker.py")
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp-checkpoint")
+    code, output, _ = launch("", out, script=[WORKER, str(out)], limit=180)
+    assert code == 0, output
+    assert output.count("fsdp checkpoint done") == 2, output
+    return out, output
+
+
+@pytest.fixture(scope="module")
+def resharded(fsdp_checkpoint):
+    """The 2-rank checkpoint loaded by 3 ranks, saved again in 3 shards, resumed from."""
+    out, _ = fsdp_checkpoint
+    code, output, _ = launch("", out, script=[WORKER, str(out), "reshard"], limit=120,
+                             nproc=3)
+    assert code == 0, output
+    assert output.count("reshard done") == 3, output
+    return out
+
+
+def weights(out, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"{name}.pt", weights_only=True)
+
+
+def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str):
+    assert got.keys() == want.keys(), what
+    assert all(torch.equal(got[k], v) for k, v in want.items()), what
+
+
+def one_process(checkpoint=None) -> fitdp.Model:
+    """The worker's model in one process, loaded from ``checkpoint``."""
+    model = fitdp.Model(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)))
+    model.compile(optimizer="adamw", lr=0.05, loss="cross_entropy", grad_accum_steps=2,
+                  grad_clip_norm=0.05)
+    if checkpoint is not None:
+        model.load(checkpoint)
+    return model
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(40, 6, generator=torch.Generator().manual_seed(0))
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+
+
+@pytest.mark.distributed
+def test_an_fsdp_checkpoint_resumes_on_two_ranks_bitwise(fsdp_checkpoint):
+    """model.save under strategy='fsdp' on every rank: sharded by default (each rank wrote
+    its shards, rank 0 the rest), with async_save=True, and one whole-tensor file
+    (sharded=False, the format every earlier fitdp wrote): a new 2-rank fit resumed from
+    each ends bit for bit where the uninterrupted fit did."""
+    out, _ = fsdp_checkpoint
+    step = out / "fsdp.ckpt" / "step-1"
+    assert (out / "fsdp.ckpt" / "LATEST").read_text() == "step-1"
+    assert sorted(p.name for p in step.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "state.ckpt"]
+    rest = load_checkpoint(step / "state.ckpt")  # rank 0's part: references, no weights
+    assert rest["module"]["0.weight"]["shape"] == [32, 6] and "run" in rest
+    assert not any(isinstance(v, torch.Tensor) for v in rest["module"].values())
+    assert (out / "fsdp-whole.ckpt").is_file()
+    whole = weights(out, "uninterrupted")
+    for saved in ("resumed", "resumed-async", "resumed-whole"):
+        assert_equal(weights(out, saved), whole, saved)
+
+
+@pytest.mark.distributed
+def test_backup_and_restore_with_fsdp_resumes_an_interrupted_fit_bitwise(fsdp_checkpoint):
+    """BackupAndRestore under strategy='fsdp' (was refused: it saved from rank 0 alone, and
+    gathering the shards is a collective): every rank backs up, sync and async; a fit
+    interrupted on every rank after its 3rd optimizer step (mid-epoch), run again, resumes
+    from the backup and ends bit for bit where the uninterrupted fit did."""
+    out, output = fsdp_checkpoint
+    for name in ("backup", "backup-async"):
+        assert f"{name} crashed; backup: ['LATEST', 'step-3']" in output, output
+        assert f"{name} deleted after the fit: True" in output, output
+        assert_equal(weights(out, f"{name}-resumed"), weights(out, "uninterrupted"), name)
+
+
+@pytest.mark.distributed
+def test_model_checkpoint_with_fsdp_keeps_sharded_checkpoints(fsdp_checkpoint):
+    """ModelCheckpoint under strategy='fsdp' (was refused), async, keep=1: the last epoch's
+    sharded checkpoint remains (the first one pruned) and holds the fit's final weights."""
+    out, _ = fsdp_checkpoint
+    assert not (out / "mc-1.ckpt").exists() and (out / "mc-2.ckpt" / "LATEST").is_file()
+    assert_equal(one_process(out / "mc-2.ckpt").get_weights(), weights(out, "uninterrupted"),
+                 "mc-2.ckpt")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["fsdp.ckpt", "fsdp-whole.ckpt"])
+def test_an_fsdp_checkpoint_loads_and_resumes_in_one_process(fsdp_checkpoint, name):
+    """A 2-rank FSDP checkpoint, sharded or whole: a single-process Model loads the weights
+    rank 0's get_weights gave, and resumes to the 2-rank run's end (allclose)."""
+    out, _ = fsdp_checkpoint
+    model = one_process(out / name)
+    assert_equal(model.get_weights(), weights(out, "at-checkpoint"), name)
+    x, y = data()
+    model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0, devices=["cpu"],
+              resume=out / name)
+    whole = weights(out, "uninterrupted")
+    for k, v in model.get_weights().items():
+        torch.testing.assert_close(v, whole[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+@pytest.mark.distributed
+def test_an_fsdp_checkpoint_loads_on_another_world_size(resharded):
+    """Saved by 2 ranks, loaded into 3 ranks' shards and saved again by 3: the 3-shard
+    checkpoint holds the same weights and AdamW state bit for bit (read in one process), and
+    a fit resumed from it on 3 ranks ends where one process on the same global batches of
+    15 does (allclose)."""
+    out = resharded
+    two, three = load_sharded(out / "fsdp.ckpt"), load_sharded(out / "three.ckpt")
+    assert_equal(three["module"], two["module"], "module")
+    for i, state in two["optimizer"]["state"].items():
+        assert_equal(three["optimizer"]["state"][i], state, f"optimizer state {i}")
+    assert three["run"] == two["run"]
+    model = one_process()
+    x, y = data()
+    model.fit(x, y, batch_size=15, epochs=2, shuffle=False, verbose=0, devices=["cpu"],
+              resume=out / "fsdp.ckpt")
+    got = weights(out, "three-resumed")
+    for k, v in model.get_weights().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-4, msg=k)
+
+
+@pytest.mark.distributed
+def test_an_fsdp_models_export_holds_the_whole_weights(fsdp_checkpoint):
+    out, _ = fsdp_checkpoint
+    x = torch.randn(7, 6)
+    net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    net.load_state_dict(weights(out, "uninterrupted"))
+    torch.testing.assert_close(fitdp.load_predictor(out / "fsdp.pt2")(x), net(x))
+
+
+KILLED_SAVER = """
+import sys, torch
+from fitdp.saving.sharded import save_sharded
+weight = torch.zeros(1024, 512)
+for step in range(1, 1000):
+    weight.fill_(step)
+    save_sharded(sys.argv[1], {"module": {"weight": weight}, "run": {"step": step}})
+    print(step, flush=True)
+"""
+
+
+def test_a_sharded_save_killed_at_any_moment_leaves_the_previous_complete_one(tmp_path):
+    """SIGKILL lands while the next sharded checkpoint is being written (2 MB of shards and
+    rank 0's file per save, no pause): the folder still loads, whole, every value (shards
+    and rank 0's part) from one step."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, str(tmp_path / "c")],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        for _ in range(3):
+            assert proc.stdout is not None and proc.stdout.readline()
+        time.sleep(random.uniform(0, 0.02))  # somewhere inside a later save
+    finally:
+        proc.kill()
+        proc.wait()
+    state = load_sharded(tmp_path / "c")
+    step = state["run"]["step"]
+    assert step >= 3
+    assert torch.equal(state["module"]["weight"], torch.full((1024, 512), float(step)))
