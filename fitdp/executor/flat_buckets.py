@@ -36,7 +36,7 @@ class FlatBuckets:
     Args:
         params: ``params[d][k]`` is the k-th trainable parameter on device d (same order on
             every device).
-        bucket_bytes: target size of one bucket.
+        bucket_bytes: target size of one bucket (default ``BUCKET_BYTES``).
         sources: ``sources[k]`` holds the k-th parameter's shape and values, copied into
             every device's bucket (default: each device's own parameter). A replica made
             hollow (``sharing.replica``) has only placeholders, filled here: its weights are
@@ -51,9 +51,10 @@ class FlatBuckets:
         [1, 1]
     """
 
-    def __init__(self, params: Sequence[Sequence[nn.Parameter]], bucket_bytes: int = BUCKET_BYTES,
+    def __init__(self, params: Sequence[Sequence[nn.Parameter]], bucket_bytes: int | None = None,
                  *, sources: Sequence[torch.Tensor] | None = None, grads: bool = True) -> None:
         self.params = [list(p) for p in params]
+        bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes  # read now: tests
         plan: list[list[int]] = []
         size = 0
         master = list(sources) if sources is not None else self.params[0]
@@ -112,3 +113,11 @@ class FlatBuckets:
         # at exit, and with a few large buckets there is little to overlap anyway.
         for g in self.grad_flat[0]:
             dist.all_reduce(g, group=group)
+
+
+def add_into(acc: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
+    """The other devices' range of a gradient bucket added into device 0's ``acc``, in
+    device order, each zeroed after (so a backward counts once however often it is asked)."""
+    for g in others:
+        acc.add_(g.to(acc.device, non_blocking=True))
+        g.zero_()

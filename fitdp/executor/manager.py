@@ -19,6 +19,7 @@ from fitdp.executor.devices import DevicesArg, resolve_devices
 from fitdp.executor.engines import DDP, FSDP, bind_engine, copy_into, fsdp_replica, whole
 from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.group import DataParallelExecutorGroup
+from fitdp.executor.overlap import cross_rank as overlapped
 from fitdp.executor.replica import Compute, LossFn, ModuleLoss
 from fitdp.executor.sharing import bucket_replicas, check_unique_names, device_replicas, hashable
 from fitdp.executor.slicing import device_slices
@@ -118,13 +119,12 @@ class DataParallelExecutorManager(StepMixin):
         self.trainable = [block[0].requires_grad for block in self.execgrp.param_arrays]
         params = [[row[d] for row, on in zip(self.execgrp.param_arrays, self.trainable) if on]
                   for d in range(len(self.devices))]
-        # Gradient buckets for ranks (all-reduced) and GPUs; CPU replicas: see ``FlatBuckets``.
-        grads = distributed or any(d.type != "cpu" for d in self.devices)
+        grads = distributed or any(d.type != "cpu" for d in self.devices)  # see FlatBuckets
         self.flat = FlatBuckets(params, sources=sources, grads=grads) if sources else None
-        # The cross-rank gradient sum, bound into each step's ``Update`` (None: one process).
-        self.cross_rank: Callable[[], None] | None = bind_engine(  # (engines: in backward)
-            engine, self.execgrp.executors[0], params[0]) if engine is not None else (
-            self.flat.reduce_global if distributed and self.flat is not None else None)
+        # The cross-rank gradient sum of each step's ``Update`` (None: one process).
+        self.cross_rank: Callable[[], None] | None = bind_engine(
+            engine, self.execgrp.executors[0], params[0]) if engine is not None else \
+            overlapped(self.flat, self.devices, distributed, self._custom)
         self._init_loads(work_load_list)
         if self._custom:  # replicas that may meet run at once (see ``compute``)
             self._speed_check = None

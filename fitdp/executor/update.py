@@ -8,8 +8,9 @@ gradients first and whether it ends with a step (``prepare``). Its parts run in 
 - ``zero_device(d)``: device ``d``'s gradients zeroed, on its thread, before its backward
   (``zero``: the batch that starts an optimizer step);
 - ``apply(s)``: shard ``s``'s gradients summed over the devices into device 0's (then across
-  ranks: ``cross_rank``), unscaled and clipped (unsharded only), the optimizer step, and
-  device 0's parameters of the shard copied to every other device.
+  ranks: ``cross_rank``; a ``BucketOverlap``, armed by ``prepare``, has started those sums
+  and all-reduces during backward and is waited for), unscaled and clipped (unsharded only),
+  the optimizer step, and device 0's parameters of the shard copied to every other device.
 
 Sharded (several CPU replicas, ``SHARD_MIN_NUMEL`` elements or more, an optimizer of
 ``SHARDABLE``, no scaler, clipping or ranks), shard ``s`` runs on device thread ``s`` once
@@ -38,7 +39,8 @@ import torch
 from torch import nn
 
 from fitdp.executor import fence
-from fitdp.executor.flat_buckets import FlatBuckets
+from fitdp.executor.flat_buckets import FlatBuckets, add_into
+from fitdp.executor.overlap import BucketOverlap
 from fitdp.executor.sharded_step import ShardedStep, param_count
 
 # Below this many trainable elements the whole update runs on device 0's thread: splitting
@@ -80,6 +82,8 @@ class Update:
         self.masters = list(masters)
         self.optimizer, self.scaler, self.clip_norm = optimizer, scaler, clip_norm
         self.cross_rank = cross_rank
+        # Several CPU replicas under ranks: all-reduces started during backward.
+        self.overlap = cross_rank if isinstance(cross_rank, BucketOverlap) else None
         self.devices = len(flat.params) if flat is not None else 1
         self.shards = max(1, min(shards, self.devices))
         self.size = param_count(optimizer) if optimizer is not None else 0
@@ -157,6 +161,8 @@ class Update:
         Returns whether it steps (``stepping``)."""
         self.zero = zero
         stepping = self.stepping = step and self.optimizer is not None
+        if self.overlap is not None:
+            self.overlap.arm(stepping)
         if stepping and self.shards > 1:
             for event in self.arrived:
                 event.clear()
@@ -225,6 +231,10 @@ class Update:
         """Shard ``s``'s gradients of every device summed into device 0's (then across the
         ranks); the other devices' are zeroed (or dropped), so each backward counts once
         however often the reduce is asked."""
+        overlap = self.overlap
+        if overlap is not None and overlap.armed:
+            overlap.finish()  # the sums and all-reduces backward has not started, then all
+            return
         if self.flat is None:
             pass  # one replica: nothing to add
         elif not self.flat.grads:
@@ -234,9 +244,7 @@ class Update:
                     p.grad = None
         else:
             for acc, others in self.reduce[s]:
-                for g in others:
-                    acc.add_(g.to(acc.device, non_blocking=True))
-                    g.zero_()
+                add_into(acc, others)
         if self.cross_rank is not None:
             self.cross_rank()
 

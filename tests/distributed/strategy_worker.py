@@ -2,7 +2,9 @@
 strategy and setup, rank 0's weights saved for the test to compare with one process.
 
 Usage: torchrun ... strategy_worker.py OUT_DIR STRATEGY[,STRATEGY...]
-("fsdp-blocks": fitdp.FSDP(blocks=(nn.Linear,)), each Linear sharded on its own)
+("fsdp-blocks": fitdp.FSDP(blocks=(nn.Linear,)), each Linear sharded on its own; "hybrid":
+two CPU replicas per rank, all-reduces overlapped with backward; "hybrid-after": the same with
+the all-reduce after backward, as before the overlap)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fitdp
-from fitdp.executor import engines
+from fitdp.executor import engines, flat_buckets, overlap
 
 OUT, STRATEGIES = sys.argv[1], sys.argv[2].split(",")
 RANK = int(os.environ["RANK"])
@@ -60,17 +62,26 @@ def data(n: int = 44) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
 
 
-x, y = data()
+flat_buckets.BUCKET_BYTES = 512  # three buckets ([w1], [b1, w2], [b2]) of different sizes
+early = 0  # hybrid: buckets whose all-reduce started during backward
 for strategy in STRATEGIES:
+    hybrid = strategy.startswith("hybrid")
+    overlap.OVERLAP = strategy == "hybrid"
+    # hybrid: 41 rows, the last global batch 1 row: rank 1's share and rank 0's device 1's
+    # are empty, and the epoch's last step (accumulating) is taken after its batches
+    x, y = data(41 if hybrid else 44)
     for name, optimizer, accum, clip, precision in SETUPS:
         torch.manual_seed(RANK)  # rank 0's weights must reach every rank
         net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
         model = fitdp.Model(net)
         model.compile(optimizer=optimizer, lr=0.05, loss="cross_entropy",
                       grad_accum_steps=accum, grad_clip_norm=clip, precision=precision,
-                      strategy=OPTIONS.get(strategy, strategy))
+                      strategy="auto" if hybrid else OPTIONS.get(strategy, strategy))
         # 44 rows, 5 per rank: the last global batch has 4 rows (2 and 2)
-        model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
+                  devices=["cpu", "cpu"] if hybrid else "auto")
+        reduce = model._replicas.manager.cross_rank if hybrid else None
+        early += getattr(reduce, "early", 0)
         if RANK == 0:  # rank 0 alone: fit's end gathered the shards (FSDP2) on every rank
             torch.save(model.get_weights(), os.path.join(OUT, f"{strategy}-{name}.pt"))
         states = [v for st in model._trainer.optimizer.state.values() for v in st.values()]
@@ -79,3 +90,4 @@ for strategy in STRATEGIES:
                   f"{sum(isinstance(v, DTensor) for v in states)} of {len(states)}", flush=True)
 print(f"rank {RANK} bound {sorted(set(bound))} {len(bound)} times", flush=True)
 print(f"rank {RANK} sharded parameters per replica {sharded}", flush=True)
+print(f"rank {RANK} buckets launched in backward: {early > 0}", flush=True)
