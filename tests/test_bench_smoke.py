@@ -26,17 +26,30 @@ def test_checkpoint_bench_quick_runs(tmp_path: Path) -> None:
     assert numbers["save_ratio"] > 0 and numbers["copy_bandwidth_ratio"] > 0
 
 
-@pytest.mark.distributed  # launches 2-rank gloo jobs on 127.0.0.1 under torchrun
-def test_distributed_bench_quick_runs() -> None:
+def quick(script: str) -> subprocess.CompletedProcess[str]:
+    """``bench/script --quick``, which must succeed."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "distributed.py"), "--quick"],
+        [sys.executable, str(ROOT / "bench" / script), "--quick"],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.distributed  # launches 2-rank gloo jobs on 127.0.0.1 under torchrun
+def test_distributed_bench_quick_runs() -> None:
+    proc = quick("distributed.py")
     for case in ("(a) fitdp, torchrun 2 ranks", "(b) hand DDP loop", "(d) fitdp, 1 process"):
         row = [line for line in proc.stdout.splitlines() if line.startswith(case)]
         assert row and "FAILED" not in row[0], proc.stdout
     assert "target (a) >= 0.95x (b):" in proc.stdout
+
+
+@pytest.mark.distributed  # one 2-rank gloo job on 127.0.0.1 under torchrun
+def test_hybrid_bench_quick_runs() -> None:
+    proc = quick("hybrid.py")
+    assert "step ratio (overlapped / after backward):" in proc.stdout, proc.stdout
+    assert "of its step" in proc.stdout and "bit for bit equal: True" in proc.stdout
 
 
 def test_run_all_quick_writes_page_and_charts(tmp_path: Path) -> None:
