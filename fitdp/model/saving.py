@@ -166,8 +166,9 @@ class ModelIO:
         of the weights and optimizer state through ``torch.distributed.checkpoint`` (none
         gathers the whole state), rank 0 the rest; ``async_save`` uses ``dcp.async_save``.
         ``sharded=False`` gathers the shards instead and rank 0 writes one file of whole
-        tensors (the format of every other strategy). Both load anywhere: any world size, one
-        process (``load``, ``fit(resume=...)``). See docs/distributed.md.
+        tensors (the format of every other strategy; ``sharded=True`` there writes the
+        folder form, and must then be called on every rank too). Both load anywhere: any
+        world size, one process (``load``, ``fit(resume=...)``). See docs/distributed.md.
 
         Raises:
             ValueError: ``path`` is a folder or a special file (sharded: an existing file,

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fitdp._version import __version__
 from fitdp.checks import FitdpWarning, fail
@@ -197,6 +198,8 @@ def snapshot(objects: Mapping[str, Stateful]) -> dict[str, Any]:
 
 
 def _on_cpu(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value  # an FSDP2 shard: DCP copies it from its device (async: before return)
     if isinstance(value, torch.Tensor):
         return value.detach().cpu() if value.device.type != "cpu" else value
     if isinstance(value, dict):

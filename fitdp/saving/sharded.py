@@ -147,10 +147,11 @@ def nonfinite_names(state: dict[str, torch.Tensor]) -> list[str]:
     names = [k for k, t in state.items() if t.is_floating_point()]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in (state[k] for k in names)]
     flags = torch.tensor([not bool(torch.isfinite(t).all()) for t in local], dtype=torch.uint8)
-    if any(isinstance(t, DTensor) for t in state.values()):
+    devices = [t.to_local().device for t in state.values() if isinstance(t, DTensor)]
+    if devices:
         # The default group, on the shards' device (NCCL takes no CPU tensor): the
         # checkpoints' own group may be busy in an async save's thread.
-        flags = flags.to(local[0].device)
+        flags = flags.to(devices[0])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [k for k, bad in zip(names, flags.tolist()) if bad]
 

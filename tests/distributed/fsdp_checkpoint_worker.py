@@ -7,14 +7,16 @@ resume from each; fits with BackupAndRestore (sync and async) are interrupted on
 and run again, resuming from the backup. Rank 0 writes every run's final weights.
 
 3 ranks (``OUT reshard``): the 2-rank checkpoint loaded into 3 shards and saved again, then
-a fit resumed from that.
+a fit resumed from that. 2 ranks (``OUT restart``, under ``--max-restarts 1``): rank 1
+killed once while an async backup is written; the restarted job resumes from the backup.
 
-Usage: torchrun ... fsdp_checkpoint_worker.py OUT_DIR [reshard]
+Usage: torchrun ... fsdp_checkpoint_worker.py OUT_DIR [reshard | restart]
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import torch
@@ -59,6 +61,25 @@ if sys.argv[2:] == ["reshard"]:
     sys.exit(0)
 
 
+class KillRank1Once(fitdp.callbacks.Callback):
+    """SIGKILL on rank 1 right after the 3rd optimizer step's async backup started, once."""
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
+        marker = os.path.join(OUT, "killed")
+        if RANK == 1 and self.model.global_step == 3 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+if sys.argv[2:] == ["restart"]:  # torchrun --max-restarts 1 starts both ranks again
+    restarted = model()
+    restarted.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, callbacks=[
+        BackupAndRestore(os.path.join(OUT, "killed-backup"), save_freq=1, async_save=True),
+        KillRank1Once()])
+    keep("killed-resumed", restarted)
+    sys.exit(0)
+
+
 class SaveFirstEpoch(fitdp.callbacks.Callback):
     """Every rank saves, in each form."""
 
@@ -92,16 +113,18 @@ for name, path in (("resumed", CHECKPOINT), ("resumed-async", ASYNC), ("resumed-
     keep(name, resumed)
 for name, is_async in (("backup", False), ("backup-async", True)):
     folder = os.path.join(OUT, name)
+    # (async: with the previous backup kept too, the folders rotated)
+    options = {"save_freq": 1, "async_save": is_async, "double_checkpoint": is_async}
     try:  # saves after each optimizer step (step 3's mid-epoch), then crashes
-        model().fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, callbacks=[
-            BackupAndRestore(folder, save_freq=1, async_save=is_async), CrashAtStep3()])
+        model().fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[BackupAndRestore(folder, **options), CrashAtStep3()])
     except Crash:
         if RANK == 0:  # (rank 0 publishes a save: another rank may look before)
-            print(f"{name} crashed; backup: "
+            print(f"{name} crashed; backups: {sorted(os.listdir(folder))}, latest: "
                   f"{sorted(os.listdir(os.path.join(folder, 'backup.ckpt')))}", flush=True)
     again = model()  # finds the backup and resumes from it
     again.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
-              callbacks=[BackupAndRestore(folder, save_freq=1, async_save=is_async)])
+              callbacks=[BackupAndRestore(folder, **options)])
     keep(f"{name}-resumed", again)
     if RANK == 0:
         print(f"{name} deleted after the fit: {not os.path.exists(folder)}", flush=True)

@@ -16,8 +16,9 @@ from test_distributed import launch
 from torch import nn
 
 import fitdp
+from fitdp.callbacks import BackupAndRestore
 from fitdp.saving.checkpoint import load_checkpoint
-from fitdp.saving.sharded import load_sharded
+from fitdp.saving.sharded import load_sharded, save_sharded
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_checkpoint_worker.py")
 
@@ -91,12 +92,29 @@ def test_backup_and_restore_with_fsdp_resumes_an_interrupted_fit_bitwise(fsdp_ch
     """BackupAndRestore under strategy='fsdp' (was refused: it saved from rank 0 alone, and
     gathering the shards is a collective): every rank backs up, sync and async; a fit
     interrupted on every rank after its 3rd optimizer step (mid-epoch), run again, resumes
-    from the backup and ends bit for bit where the uninterrupted fit did."""
+    from the backup and ends bit for bit where the uninterrupted fit did (async: with
+    double_checkpoint, the previous backup's folder kept beside it)."""
     out, output = fsdp_checkpoint
-    for name in ("backup", "backup-async"):
-        assert f"{name} crashed; backup: ['LATEST', 'step-3']" in output, output
+    rotated = {"backup": "['backup.ckpt']", "backup-async": "['backup.ckpt', 'backup.prev.ckpt']"}
+    for name, backups in rotated.items():
+        # a new folder per backup with double_checkpoint (the previous one moved aside)
+        steps = "['LATEST', 'step-1']" if name == "backup-async" else "['LATEST', 'step-3']"
+        assert f"{name} crashed; backups: {backups}, latest: {steps}" in output, output
         assert f"{name} deleted after the fit: True" in output, output
         assert_equal(weights(out, f"{name}-resumed"), weights(out, "uninterrupted"), name)
+
+
+@pytest.mark.distributed
+def test_a_killed_fsdp_rank_restarts_from_the_sharded_backup_bitwise(fsdp_checkpoint):
+    """torchrun --max-restarts 1: rank 1 is SIGKILLed just after its 3rd step's async sharded
+    backup started; the restarted job resumes from the last complete backup and ends bit for
+    bit where the uninterrupted fit did."""
+    out, _ = fsdp_checkpoint
+    code, output, _ = launch("", out, script=[WORKER, str(out), "restart"], max_restarts=1,
+                             limit=120)
+    assert code == 0, output
+    assert (out / "killed").exists()  # rank 1 really died once
+    assert_equal(weights(out, "killed-resumed"), weights(out, "uninterrupted"), "restart")
 
 
 @pytest.mark.distributed
@@ -184,3 +202,18 @@ def test_a_sharded_save_killed_at_any_moment_leaves_the_previous_complete_one(tm
     step = state["run"]["step"]
     assert step >= 3
     assert torch.equal(state["module"]["weight"], torch.full((1024, 512), float(step)))
+
+
+def test_a_damaged_sharded_backup_falls_back_to_the_previous_one(tmp_path):
+    """double_checkpoint with sharded backups (folders): a latest backup whose rank-0 file is
+    damaged is set aside and the previous one resumed from."""
+    backup = BackupAndRestore(tmp_path / "b", double_checkpoint=True)
+    for path, step in ((backup.previous_path, 1), (backup.path, 2)):
+        save_sharded(path, {"module": {"w": torch.full((3,), float(step))}, "run": {"s": step}})
+    assert backup.resume_path() == backup.path
+    rest = tmp_path / "b" / "backup.ckpt" / "step-1" / "state.ckpt"
+    rest.write_bytes(rest.read_bytes()[:-20])  # truncated
+    with pytest.warns(UserWarning, match="damaged"):
+        assert backup.resume_path() == backup.previous_path
+    assert load_sharded(backup.previous_path)["run"] == {"s": 1}
+    assert (tmp_path / "b" / "backup.ckpt.damaged" / "LATEST").is_file()
