@@ -10,8 +10,9 @@ one that all-reduces every bucket after backward (``fitdp.executor.overlap.OVERL
 the path before the overlap). Rounds alternate the order (a b, b a, ...), ``--steps`` whole
 steps each after a barrier; the median step time of each and their ratio are printed, with
 what the reduction after backward costs alone: the forward and backward of a step without
-its update, and the all-reduce of every bucket alone. Both managers end bit for bit equal
-(they took the same steps): the last line says so.
+its update, and the all-reduce of every bucket alone; and the median of the rounds' own
+ratios (a round's two steps run next to each other, so a change of load hits both). Both
+managers end bit for bit equal (they took the same steps): the last line says so.
 """
 
 from __future__ import annotations
@@ -103,8 +104,10 @@ def worker(args: argparse.Namespace) -> None:
             print(f"  {label:44s} {med[k]:9.2f} ms   {[round(t, 1) for t in times[k]]}")
         print(f"all-reduce after backward: {med['reduce'] / med['after backward']:.2f} of its "
               f"step ({med['reduce'] / med['backward']:.2f}x forward + backward)")
+        paired = statistics.median(a / b for a, b in zip(*(times[k] for k in VARIANTS)))
         print(f"step ratio (overlapped / after backward): "
-              f"{med['overlapped'] / med['after backward']:.3f}")
+              f"{med['overlapped'] / med['after backward']:.3f} (median of the rounds' "
+              f"ratios, each pair next to each other in time: {paired:.3f})")
         print(f"buckets started during backward: {early}; bit for bit equal: {same}")
     dist.barrier()
     for mgr in managers.values():
