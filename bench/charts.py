@@ -116,3 +116,17 @@ def distributed(data: dict[str, Any], path: Path, note: str) -> None:
           "samples/s (higher is better)", "{:,.0f}",
           [f"({rows[k]['samples_per_s'] / ref:.2f}x (b))" if ref else "" for k in keys])
     _save(fig, path, "Data-parallel training on the CPU: samples/s", note)
+
+
+def sharding(data: dict[str, Any], path: Path, note: str) -> None:
+    rows = data["rows"]
+    kinds = ["ddp", "fsdp"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 2.6))
+    _bars(axes[0], [f'"{k}"' for k in kinds],
+          [sum(rows[k]["bytes"].values()) / 2**20 for k in kinds], [HAND, FITDP],
+          "parameters + gradients + optimizer state per rank", "MiB (lower is better)",
+          "{:,.0f}")
+    _bars(axes[1], [f'"{k}"' for k in kinds], [rows[k]["step_s"] * 1e3 for k in kinds],
+          [HAND, FITDP], "time per step", "ms (lower is better)", "{:,.0f}")
+    _save(fig, path, f"Model.fit under torchrun, 2 ranks: {rows['ddp']['params'] / 1e6:.1f}M "
+          "parameters + Adam", note)

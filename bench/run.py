@@ -59,6 +59,7 @@ BENCHES = (
     Bench("replica_memory", "replica_memory.py", ("--quick",), 600),
     # Quick: (a) and (b) only; the Lightning and one-process launches add ~30 s of start-up.
     Bench("distributed", "distributed.py", ("--quick", "--cases", "ab"), 900),
+    Bench("sharding", "sharding.py", ("--quick",), 900),
 )
 
 
@@ -193,10 +194,16 @@ ABOUT = {
     "distributed": "The same MLP, data and order under torchrun (2 ranks, gloo on 127.0.0.1): "
                    "fitdp against a hand-written `DistributedDataParallel` loop and Lightning; "
                    "and fitdp in one process with two replica threads.",
+    "sharding": "`Model.fit` with `compile(strategy=\"fsdp\")` against `strategy=\"ddp\"` "
+                "under torchrun (2 ranks, gloo on 127.0.0.1), a 25M-parameter MLP with Adam: "
+                "the bytes each rank's optimizer steps (its parameter shards, their gradients, "
+                "Adam's moments; `to_local()` of FSDP2's DTensors), each rank's peak RSS "
+                "growth, and the time per step.",
 }
 TITLES = {"overhead": "Overhead per step", "checkpoint": "Checkpoints",
           "bucketing": "Bucketing", "replica_memory": "Memory per CPU replica",
-          "distributed": "Distributed (torchrun, CPU)"}
+          "distributed": "Distributed (torchrun, CPU)",
+          "sharding": "FSDP against DDP (torchrun, CPU)"}
 
 
 def build(name: str, outcomes: dict[str, Outcome], img: Path, note: str,
@@ -211,6 +218,7 @@ def build(name: str, outcomes: dict[str, Outcome], img: Path, note: str,
         "bucketing": (summary.bucketing, charts.bucketing, ()),
         "replica_memory": (summary.replica_memory, charts.replica_memory, ()),
         "distributed": (summary.distributed, charts.distributed, ()),
+        "sharding": (summary.sharding, charts.sharding, ()),
     }
     tables, chart, extra = makers[name]
     (img / f"{name}.png").unlink(missing_ok=True)  # no chart from an earlier run stays behind

@@ -263,3 +263,29 @@ def distributed(data: dict[str, Any]) -> tuple[list[Ratio], Table]:
     headers = ["case", "samples/s (median)", "vs (b)", "ms per global batch of 256",
                "final loss", "samples/s per round"]
     return rows, Table(headers, detail)
+
+
+def sharding(data: dict[str, Any]) -> tuple[list[Ratio], Table]:
+    """Per-rank bytes and step time of strategy="fsdp" against "ddp" (bench/sharding.py)."""
+    mib, rows_in = 2**20, data["rows"]
+    total = {k: sum(r["bytes"].values()) / mib for k, r in rows_in.items()}
+    params = rows_in["ddp"]["params"] / 1e6
+    rows = [
+        Ratio("sharding", f"MLP of {params:.1f}M params + Adam, 2 ranks: MiB of parameters + "
+              "gradients + optimizer state per rank", f'"ddp" {total["ddp"]:.0f}',
+              f'"fsdp" {total["fsdp"]:.0f}', data["memory_ratio"], data["memory_ratio"], "<=",
+              data["target"], [f"step time {data['step_ratio']:.2f}x ddp's",
+                               f"peak RSS growth {data['rss_ratio']:.2f}x ddp's"]),
+    ]
+    detail = []
+    for kind, r in rows_in.items():
+        parts = r["bytes"]
+        detail.append([f'"{kind}"', *(f"{parts[k] / mib:.0f}" for k in
+                                       ("params", "grads", "optimizer")),
+                       f"{total[kind]:.0f}", f"{r['rss_growth_steps'] / mib:.0f}",
+                       f"{r['step_s'] * 1e3:.0f}",
+                       ", ".join(f"{t * 1e3:.0f}" for t in r["runs_step_s"])])
+    headers = ["strategy (Model.fit, torchrun 2 ranks)", "parameters MiB", "gradients MiB",
+               "optimizer MiB", "sum MiB", "peak RSS growth MiB", "ms per step (median)",
+               "ms per step per round"]
+    return rows, Table(headers, detail)

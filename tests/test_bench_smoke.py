@@ -52,6 +52,25 @@ def test_hybrid_bench_quick_runs() -> None:
     assert "of its step" in proc.stdout and "bit for bit equal: True" in proc.stdout
 
 
+@pytest.mark.distributed  # launches 2-rank gloo jobs on 127.0.0.1 under torchrun
+def test_sharding_bench_measures_fit_under_both_strategies(tmp_path: Path) -> None:
+    """bench/sharding.py counted fitdp's engines driven by hand, not Model.fit's ranks."""
+    out = tmp_path / "sharding.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sharding.py"), "--quick", "--json", str(out)],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    numbers = json.loads(out.read_text())
+    ddp, fsdp = numbers["rows"]["ddp"], numbers["rows"]["fsdp"]
+    assert ddp["steps"] == fsdp["steps"] == 3  # one callback call per fit step
+    # ddp holds 4 + 4 + 8 bytes per parameter; fsdp half of that on each of 2 ranks
+    assert sum(ddp["bytes"].values()) == 16 * ddp["params"]
+    for per_rank in fsdp["bytes_per_rank"]:
+        assert abs(sum(per_rank.values()) - 8 * ddp["params"]) < 0.01 * 8 * ddp["params"]
+    assert "fsdp / ddp memory per rank: 0.50x" in proc.stdout
+
+
 def test_run_all_quick_writes_page_and_charts(tmp_path: Path) -> None:
     # distributed.py has its own smoke test above: leave its torchrun launches out here.
     proc = subprocess.run(

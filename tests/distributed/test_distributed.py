@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -15,37 +11,22 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 import fitdp
+from bench.launcher import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 pytestmark = pytest.mark.distributed
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, out, max_restarts: int = 0, limit: float = 120,
            script: list | None = None, nproc: int = 2):
-    """Run the job (2 ranks unless ``nproc``); kill its whole process group if it outlives
-    ``limit`` seconds."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "--max-restarts", str(max_restarts), *(script or [WORKER, scenario, str(out)])]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    start = time.monotonic()
-    try:
-        output, _ = proc.communicate(timeout=limit)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    """Run the job (2 ranks unless ``nproc``); its whole process group is killed if it
+    outlives ``limit`` seconds (a timeout fails the test: a job that should fail must not
+    pass by hanging)."""
+    run = torchrun(script or [WORKER, scenario, str(out)], timeout=limit, nproc=nproc,
+                   max_restarts=max_restarts, env={"PYTHONFAULTHANDLER": "1"})
+    assert not run.timed_out, f"timed out after {limit} s:\n{run.output[-3000:]}"
     assert not _orphans(str(out) if script is None else script[0]), "processes were left behind"
-    return proc.returncode, output, time.monotonic() - start
+    return run.code, run.output, run.seconds
 
 
 def _orphans(out: str) -> list[str]:
