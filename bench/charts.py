@@ -18,7 +18,6 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 from summary import BUCKET_NAMES, DIST_NAMES, TINY, WIDE  # noqa: E402
 
 FITDP, HAND, PEER = "#1f77b4", "#8c8c8c", "#ff7f0e"
-PART = "#9ecae1"  # a part of a fitdp bar above it
 
 
 def _bars(ax: Axes, labels: list[str], values: list[float], colors: list[str], title: str,
@@ -65,16 +64,19 @@ def overhead(data: dict[str, Any], keras: dict[str, Any] | None, path: Path, not
 
 
 def checkpoint(data: dict[str, Any], path: Path, note: str) -> None:
-    sync, asyn, copy = data["sync"]["median_s"], data["async"], data["copy"]
+    sync, stall, copy = data["sync"]["median_s"], data["stall"], data["copy"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.0))
     names = ["fitdp save_checkpoint", "bare torch.save", "torch.save + fsync"]
     _bars(axes[0], names, [sync[n] * 1e3 for n in names], [FITDP, HAND, HAND],
           f"save, {data['params'] / 1e6:.1f}M parameters + Adam",
           "ms per save (lower is better)", "{:,.1f}")
-    _bars(axes[1], ["async: training lost", "of which submit", "sync save"],
-          [asyn["median_lost_s"] * 1e3, asyn["median_submit_s"] * 1e3,
-           sync["fitdp save_checkpoint"] * 1e3], [FITDP, PART, HAND],
-          "training time lost per save", "ms (lower is better)", "{:,.1f}")
+    labels, values, colors = [], [], []
+    for path, res in stall.items():
+        labels += [f"{path}: async, lost", f"{path}: sync, cost"]
+        values += [res["lost_quartiles_s"][1] * 1e3, res["sync_cost_quartiles_s"][1] * 1e3]
+        colors += [FITDP, HAND]
+    _bars(axes[1], labels, values, colors, "training time a save costs, in fit (median)",
+          "ms (lower is better)", "{:,.1f}")
     _bars(axes[2], ["copy_to, 2 replicas -> host", "memcpy"],
           [copy["copy_to GB/s"], copy["memcpy GB/s"]], [FITDP, HAND], "weights to the host",
           "GB/s read + written (higher is better)", "{:,.1f}")

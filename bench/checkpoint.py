@@ -10,23 +10,18 @@ The state is an MLP 4096-4096-2048 (25.2M parameters) and its Adam state after o
     new file (deleted afterwards, untimed), ``os.sync()`` before each timed save so no earlier
     write-back lands in its time. Target: save_checkpoint <= 1.05x torch.save + fsync (median
     of the per-round ratios).
-(a) Asynchronous: training time lost per save with ``AsyncCheckpointWriter``. Each round runs
-    K training steps (batch 32, the same net and Adam) alone, K steps after
-    ``writer.submit(..., defer=weights and Adam state)`` as ``Model.save(async_save=True)``
-    does (the writer thread copies them; each optimizer step first passes the snapshot fence),
-    and K steps after a plain ``writer.submit(...)`` (the copy inside submit: the previous
-    design), each followed by ``writer.wait()``; the three blocks rotate which goes first.
-    Lost per save = (submit + K steps + wait) - (K steps alone): the submit call, any wait at
-    the fence, any slowdown of the steps running next to the writer thread, and any wait for
-    a save that outlasts them. Target: median lost (deferred) <= 10% of the median
-    synchronous save_checkpoint.
+(a) Asynchronous: the training time lost per ``model.save(path, async_save=True)`` against the
+    time a synchronous ``model.save(path)`` costs, inside one ``Model.fit`` (rounds of K steps
+    alone, K steps after an async save, a sync save and K steps, paired per round): in one
+    process and, in a full run, under torchrun with ``"ddp"`` and ``"fsdp"`` (2 ranks).
+    ``bench/save_stall.py`` measures it and says how. Target: median lost / median sync cost
+    <= 0.10 on every path.
 Also ``DataParallelExecutorManager(module, ["cpu", "cpu"]).copy_to`` into preallocated host
 tensors against a large ``dst.copy_(src)`` (bandwidth = bytes read + written).
 
-One torch thread (intra- and inter-op). Unless ``--no-pin``, the timing thread runs on the
-first CPU of the process's set; the writer thread is started before that pinning applies, so
-it keeps the whole set (the OS puts it on the other core). The output records the CPU, the
-folder's file system and the load average.
+One torch thread (intra- and inter-op). Unless ``--no-pin``, the timing thread of (b) runs on
+the first CPU of the process's set. The output records the CPU, the folder's file system and
+the load average.
 """
 
 from __future__ import annotations
@@ -48,13 +43,12 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench this checkout's fitdp
-from fitdp.executor import fence  # noqa: E402
+import save_stall  # noqa: E402  (bench/ is this script's folder)
+
 from fitdp.executor.manager import DataParallelExecutorManager  # noqa: E402
-from fitdp.saving.async_writer import AsyncCheckpointWriter  # noqa: E402
 from fitdp.saving.checkpoint import save_checkpoint  # noqa: E402
 
 SYNC_TARGET = 1.05  # save_checkpoint / (torch.save + fsync), at most
-ASYNC_TARGET = 0.10  # training time lost per async save / synchronous save, at most
 COPY_TARGET = 0.5  # copy_to bandwidth / memcpy bandwidth, at least
 State = dict[str, object]
 
@@ -74,24 +68,15 @@ class Trainer:
         self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-4)
         self.x = torch.randn(batch, sizes[0])
         self.y = torch.randint(0, sizes[-1], (batch,))
-        self.fenced_s = 0.0  # time the steps spent waiting at the snapshot fence
         self.step()  # Adam's state exists after the first step
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=False)
         nn.functional.cross_entropy(self.net(self.x), self.y).backward()
-        t = time.perf_counter()
-        fence.wait_for_snapshots()  # as Update.apply: an async save may be copying the weights
-        self.fenced_s += time.perf_counter() - t
         self.opt.step()
 
     def state(self) -> State:
         return {"module": self.net.state_dict(), "optimizer": self.opt.state_dict()}
-
-    def stepped(self) -> list[torch.Tensor]:
-        """What only the optimizer step changes (as ``Model._stepped_tensors``)."""
-        return [*self.net.parameters(),
-                *(v for st in self.opt.state.values() for v in st.values())]
 
 
 @contextmanager
@@ -150,58 +135,6 @@ def bench_sync(state: State, folder: str, repeats: int, cpu: int | None) -> dict
             "fsync_ratio": statistics.median(a / b for a, b in zip(fitdp, fsync)),
             "bare_ratio": statistics.median(
                 a / b for a, b in zip(fitdp, times["bare torch.save"]))}
-
-
-def bench_async(trainer: Trainer, folder: str, repeats: int, steps: int,
-                cpu: int | None) -> dict[str, object]:
-    """Per round: K steps alone, submit(defer=...) + K steps + wait, and plain submit + K
-    steps + wait, rotating which goes first."""
-    writer = AsyncCheckpointWriter()
-    times: dict[str, list[float]] = {k: [] for k in ("alone", "deferred", "in_submit")}
-    submits: dict[str, list[float]] = {"deferred": [], "in_submit": []}
-    fenced: list[float] = []
-    saved = 0
-
-    def train(kind: str) -> None:
-        nonlocal saved
-        path = os.path.join(folder, f"async-{saved}.ckpt")
-        saved += 1
-        os.sync()
-        t, trainer.fenced_s = time.perf_counter(), 0.0
-        if kind != "alone":  # starts the writer thread on any CPU
-            writer.submit(path, trainer.state(),
-                          defer=trainer.stepped() if kind == "deferred" else ())
-            fence.hold(writer.copied)
-        with pinned(cpu):
-            submitted = time.perf_counter()
-            for _ in range(steps):
-                trainer.step()
-            writer.wait()
-            total = time.perf_counter() - t
-        if kind != "alone":
-            os.remove(path)
-            submits[kind].append(submitted - t)
-        if kind == "deferred":
-            fenced.append(trainer.fenced_s)
-        times[kind].append(total)
-
-    kinds = list(times)
-    try:
-        for r in range(repeats + 1):  # round 0 warms up (and allocates the host buffers)
-            for kind in kinds[r % 3:] + kinds[:r % 3]:
-                train(kind)
-    finally:
-        writer.close()
-    os.sync()
-    out: dict[str, object] = {"steps": steps, "step_s": statistics.median(times["alone"][1:])
-                              / steps, "alone_s": times["alone"][1:], "fence_s": fenced[1:],
-                              "median_fence_s": statistics.median(fenced[1:])}
-    for kind in ("deferred", "in_submit"):
-        lost = [b - a for a, b in zip(times["alone"][1:], times[kind][1:])]
-        out[kind] = {"with_save_s": times[kind][1:], "submit_s": submits[kind][1:],
-                     "lost_s": lost, "median_lost_s": statistics.median(lost),
-                     "median_submit_s": statistics.median(submits[kind][1:])}
-    return out
 
 
 def timed_median(fn: Callable[[], object], repeats: int) -> float:
@@ -272,15 +205,21 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="small model, 2 repeats: a smoke run")
     parser.add_argument("--no-pin", action="store_true", help="leave threads to the OS")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="rounds of the async-save stall (bench/save_stall.py)")
+    parser.add_argument("--stall-paths", default=None,
+                        help="its paths: one, ddp, fsdp (default: all; one under --quick)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     torch.manual_seed(0)
     if args.quick:
-        sizes, batch, steps, memcpy_bytes, repeats = [256, 256, 64], 8, 2, 8 << 20, 2
+        sizes, batch, memcpy_bytes, repeats = [256, 256, 64], 8, 8 << 20, 2
+        stall_config, rounds, paths = save_stall.QUICK, 2, args.stall_paths or "one"
     else:  # 4096*4096 + 4096*2048 weights: 25.2M parameters, ~100 MB; Adam adds 2x that
-        sizes, batch, steps, memcpy_bytes, repeats = [4096, 4096, 2048], 32, 10, 400 << 20, \
-            args.repeats
+        sizes, batch, memcpy_bytes, repeats = [4096, 4096, 2048], 32, 400 << 20, args.repeats
+        stall_config, rounds = save_stall.FULL, args.rounds
+        paths = args.stall_paths or "one,ddp,fsdp"
     cpu = None if args.no_pin else min(os.sched_getaffinity(0))
     folder = tempfile.mkdtemp(prefix="fitdp-bench-", dir=args.dir)
     info = machine(folder)
@@ -293,10 +232,17 @@ def main() -> None:
           f"{repeats} repeats")
     try:
         sync = bench_sync(trainer.state(), folder, repeats, cpu)
-        asyn = bench_async(trainer, folder, repeats, steps, cpu)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    del trainer  # its 300 MB are not needed by the fits below
     copies = bench_copy_to(sizes, memcpy_bytes, repeats)
+    print(f"\n(a) async saves inside Model.fit: blocks of {stall_config['steps']} steps, "
+          f"{rounds} rounds (bench/save_stall.py); load average "
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+    stall = {}
+    for path in paths.split(","):
+        stall[path] = save_stall.run_path(path, stall_config, rounds, 600.0)
+        print(save_stall.line(save_stall.NAMES[path], stall[path]), flush=True)
 
     med = sync["median_s"]
     assert isinstance(med, dict)
@@ -304,29 +250,6 @@ def main() -> None:
     for name, runs in sync["runs_s"].items():  # type: ignore[attr-defined]
         print(f"  {name:<24} {med[name] * 1e3:8.1f} ms   "
               f"[{', '.join(f'{t * 1e3:.0f}' for t in runs)}]")
-    sync_s = med["fitdp save_checkpoint"]
-    print(f"\n(a) async saves next to {asyn['steps']} training steps of "
-          f"{asyn['step_s'] * 1e3:.1f} ms (batch {batch}), per round in ms:")
-    print(f"  {'alone':<22} [{', '.join(f'{t * 1e3:.1f}' for t in asyn['alone_s'])}]")
-    ratios = {}
-    for kind in ("deferred", "in_submit"):
-        res = asyn[kind]
-        assert isinstance(res, dict)
-        for key in ("with_save_s", "lost_s", "submit_s"):
-            runs = ", ".join(f"{t * 1e3:.1f}" for t in res[key])
-            print(f"  {kind + ' ' + key[:-2]:<22} [{runs}]")
-        ratios[kind] = res["median_lost_s"] / sync_s
-        print(f"  {kind}: median lost per save {res['median_lost_s'] * 1e3:.1f} ms (of which "
-              f"submit {res['median_submit_s'] * 1e3:.1f} ms); synchronous save "
-              f"{sync_s * 1e3:.1f} ms")
-    lost_ratio = ratios["deferred"]
-    fence_s, deferred = asyn["fence_s"], asyn["deferred"]
-    assert isinstance(fence_s, list) and isinstance(deferred, dict)
-    stall = (deferred["median_submit_s"] + asyn["median_fence_s"]) / sync_s
-    waits = ", ".join(f"{t * 1e3:.1f}" for t in fence_s)
-    print(f"  deferred: the steps waited at the fence [{waits}] ms; median submit + median "
-          f"fence wait / synchronous save {stall:.3f}")
-
     print(f"\n{'case':<34} {'median':>10} {'MB r+w':>8} {'GB/s':>8}")
     for name, key in (("copy_to, 2 CPU replicas -> host", "copy_to"),
                       ("memcpy dst.copy_(src)", "memcpy")):
@@ -337,9 +260,11 @@ def main() -> None:
     copy_ratio = copies["copy_to GB/s"] / copies["memcpy GB/s"]
     print(f"\nsave ratio (fitdp / torch.save + fsync):        {fsync_ratio:.3f}x (target <= "
           f"{SYNC_TARGET:.2f}) {'met' if fsync_ratio <= SYNC_TARGET else 'MISSED'}")
-    print(f"async lost per save / synchronous save:         {lost_ratio:.3f} (target <= "
-          f"{ASYNC_TARGET:.2f}) {'met' if lost_ratio <= ASYNC_TARGET else 'MISSED'}; copy "
-          f"in submit instead: {ratios['in_submit']:.3f}")
+    for path, res in stall.items():
+        print(f"async lost per save / sync save, {path:<4}:        {res['ratio']:.3f} (target <= "
+              f"{save_stall.TARGET:.2f}) {'met' if res['ratio'] <= save_stall.TARGET else 'MISSED'}"
+              f"; per round IQR {res['round_ratio_quartiles'][0]:.3f} to "
+              f"{res['round_ratio_quartiles'][2]:.3f}")
     print(f"save ratio (fitdp / bare torch.save):          {bare_ratio:.3f}x (reference: fitdp "
           f"fsyncs file and folder, bare torch.save leaves the data in the page cache)")
     print(f"copy_to bandwidth ratio (copy_to / memcpy):     {copy_ratio:.3f}x (target >= "
@@ -349,10 +274,10 @@ def main() -> None:
               "targets apply to the full run only)")
     if args.json:
         out = {**info, "sizes": sizes, "params": n_params, "repeats": repeats, "batch": batch,
-               "sync": sync, "async": asyn, "copy": copies, "save_ratio": bare_ratio,
-               "save_fsync_ratio": fsync_ratio, "async_lost_ratio": lost_ratio,
-               "async_in_submit_lost_ratio": ratios["in_submit"],
-               "copy_bandwidth_ratio": copy_ratio}
+               "sync": sync, "stall": stall, "stall_rounds": rounds, "copy": copies,
+               "save_ratio": bare_ratio, "save_fsync_ratio": fsync_ratio,
+               "async_lost_ratio": {p: r["ratio"] for p, r in stall.items()},
+               "copy_bandwidth_ratio": copy_ratio, "loadavg_after": list(os.getloadavg())}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
 

@@ -54,7 +54,7 @@ QUICK_TIMEOUT_S = 150.0
 BENCHES = (
     Bench("overhead", "overhead.py", ("--quick",), 600),
     Bench("keras_peer", "keras_peer.py", ("--quick",), 600, needs="keras"),
-    Bench("checkpoint", "checkpoint.py", ("--quick",), 600),
+    Bench("checkpoint", "checkpoint.py", ("--quick",), 1500),  # 3 fits of the stall: minutes
     Bench("bucketing", "bucketing.py", ("--quick",), 900),
     Bench("replica_memory", "replica_memory.py", ("--quick",), 600),
     # Quick: (a) and (b) only; the Lightning and one-process launches add ~30 s of start-up.
@@ -182,8 +182,12 @@ ABOUT = {
                 "against the same hand loop, interleaved in its own process.",
     "checkpoint": "A 25M-parameter MLP with Adam state: `save_checkpoint` (atomic, sealed, "
                   "fsyncs file and folder) against `torch.save` + fsync of the same state; the "
-                  "training time an asynchronous save costs against a synchronous one; and "
-                  "`copy_to` from two CPU replicas against a memcpy.",
+                  "training time `model.save(async_save=True)` costs inside `fit` against a "
+                  "synchronous `model.save` (rounds of blocks of steps without a save, with an "
+                  "async save, with a sync save; paired per round; medians and interquartile "
+                  "ranges; `bench/save_stall.py`), in one process and under torchrun with "
+                  "`\"ddp\"` and `\"fsdp\"`; and `copy_to` from two CPU replicas against a "
+                  "memcpy.",
     "bucketing": "A GRU classifier on 4,000 sequences with log-normal lengths in [4, 256]: "
                  "real tokens/s (padding excluded, per second of CPU time of the fastest epoch) "
                  "of three hand loops and `fitdp.BucketIterator`, and the memory of 20 buckets "
