@@ -70,7 +70,7 @@ def measure(config: dict[str, Any], rounds: int, folder: str, strategy: str = "a
     from fitdp.executor import fence
 
     blocks, k = schedule(rounds), config["steps"]
-    path = os.path.join(folder, "stall.ckpt")
+    path = os.path.join(folder, "stall")  # a file; a folder of shards under "fsdp"
     waited = [0.0]  # seconds optimizer steps spent at the snapshot fence (an async save's copy)
     real_wait = fence.wait_for_snapshots
 
@@ -129,10 +129,19 @@ def measure(config: dict[str, Any], rounds: int, folder: str, strategy: str = "a
     finally:
         fence.wait_for_snapshots = real_wait
     model.close()
-    size = os.path.getsize(path) if os.path.exists(path) else 0
+    size = saved_bytes(Path(path))
     return {"blocks": blocks, "seconds": probe.seconds, "call_s": probe.call_s,
             "fence_s": probe.fence_s, "end_wait_s": probe.end_wait_s, "bytes": size,
             "params": sum(p.numel() for p in mlp(config["sizes"]).parameters())}
+
+
+def saved_bytes(path: Path) -> int:
+    """The bytes of the checkpoint at ``path``: a file, or the newest ``step-*`` folder of a
+    sharded one (every rank's shards)."""
+    if path.is_file():
+        return path.stat().st_size
+    steps = sorted(path.glob("step-*"), key=lambda p: p.stat().st_mtime)
+    return sum(f.stat().st_size for f in steps[-1].rglob("*") if f.is_file()) if steps else 0
 
 
 def quartiles(values: list[float]) -> list[float]:

@@ -266,9 +266,13 @@ def distributed(data: dict[str, Any]) -> tuple[list[Ratio], Table]:
             if key in rows_in:
                 x = rows_in[key]
                 ratio = x["samples_per_s"] / b["samples_per_s"]
+                q = x.get("paired_ratio_quartiles")  # (a): the rounds' back-to-back ratios
+                check = q[1] if q else ratio
+                extra = [f"per round: median {q[1]:.3f}x, IQR {q[0]:.3f} to {q[2]:.3f} (the "
+                         "target's)"] if q else []
                 rows.append(Ratio("distributed", case, ref, f"{x['samples_per_s']:,.0f}", ratio,
-                                  ratio, ">=" if target else "", target,
-                                  peers if key == "a" else []))
+                                  check, ">=" if target else "", target,
+                                  extra + peers if key == "a" else []))
     detail = []
     for key, name in DIST_NAMES.items():
         if key not in rows_in:
