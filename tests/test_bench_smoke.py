@@ -26,11 +26,11 @@ def test_checkpoint_bench_quick_runs(tmp_path: Path) -> None:
     assert numbers["save_ratio"] > 0 and numbers["copy_bandwidth_ratio"] > 0
 
 
-def quick(script: str) -> subprocess.CompletedProcess[str]:
-    """``bench/script --quick``, which must succeed."""
+def quick(script: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """``bench/script --quick [args]``, which must succeed."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), "--quick"],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=180,
+        [sys.executable, str(ROOT / "bench" / script), "--quick", *args],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -56,11 +56,7 @@ def test_hybrid_bench_quick_runs() -> None:
 def test_sharding_bench_measures_fit_under_both_strategies(tmp_path: Path) -> None:
     """bench/sharding.py counted fitdp's engines driven by hand, not Model.fit's ranks."""
     out = tmp_path / "sharding.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "sharding.py"), "--quick", "--json", str(out)],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = quick("sharding.py", "--json", str(out), timeout=240)
     numbers = json.loads(out.read_text())
     ddp, fsdp = numbers["rows"]["ddp"], numbers["rows"]["fsdp"]
     assert ddp["steps"] == fsdp["steps"] == 3  # one callback call per fit step
@@ -94,11 +90,7 @@ def test_save_stall_pairs_each_rounds_blocks() -> None:
 @pytest.mark.distributed  # 2-rank gloo jobs on 127.0.0.1 under torchrun
 def test_save_stall_bench_runs_on_every_path(tmp_path: Path) -> None:
     out = tmp_path / "stall.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "save_stall.py"), "--quick", "--json", str(out)],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    quick("save_stall.py", "--json", str(out), timeout=300)
     paths = json.loads(out.read_text())["paths"]
     assert sorted(paths) == ["ddp", "fsdp", "one"]
     for res in paths.values():  # 3 blocks in each of the warm-up and 2 rounds, all timed
