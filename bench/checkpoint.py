@@ -1,6 +1,7 @@
 """Checkpoint saves: synchronous against torch.save, asynchronous against training alone.
 
-Run: python bench/checkpoint.py [--repeats 7] [--dir DIR] [--json out.json] [--quick] [--no-pin]
+Run: python bench/checkpoint.py [--repeats 7] [--rounds 8] [--stall-paths one,ddp,fsdp]
+     [--dir DIR] [--json out.json] [--quick] [--no-pin]
 
 The state is an MLP 4096-4096-2048 (25.2M parameters) and its Adam state after one real step:
 ``{"module": net.state_dict(), "optimizer": opt.state_dict()}``, about 302 MB.

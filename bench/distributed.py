@@ -31,7 +31,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fitdp (children too)
+from bench.launcher import free_port  # noqa: E402 (bench/hybrid.py imports it from here)
 
 SIZES = [784, 512, 512, 10]
 GLOBAL_BATCH = 256
@@ -250,12 +250,6 @@ def run_lightning(args: argparse.Namespace) -> None:
 # -- the launcher -----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(case: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run one case; rank 0's JSON line, or ``{"error": ...}``. Kills the process group on
     timeout so no rank is left behind."""
@@ -298,11 +292,6 @@ def parse(output: str) -> list[dict[str, Any]]:
     return found
 
 
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -339,7 +328,7 @@ def main() -> int:
         cases.remove("c")
     print(f"MLP {'-'.join(map(str, SIZES))}, global batch {GLOBAL_BATCH}, {args.steps} steps x "
           f"{args.epochs} epochs ({args.warmup} warm-up), {args.rounds} round(s), 1 thread/process")
-    load_before = loadavg()
+    load_before = " ".join(f"{v:.2f}" for v in os.getloadavg())
     print(f"load average before: {load_before}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
     for r in range(args.rounds):
@@ -353,7 +342,7 @@ def main() -> int:
                   flush=True)
             if "error" in res:
                 print(res["output"][-3000:], file=sys.stderr)
-    load_after = loadavg()
+    load_after = " ".join(f"{v:.2f}" for v in os.getloadavg())
 
     rows: dict[str, dict[str, Any]] = {}
     for c in cases:
