@@ -44,8 +44,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench this checkout's fitdp
-import save_stall  # noqa: E402  (bench/ is this script's folder)
-
+from bench import save_stall  # noqa: E402
 from fitdp.executor.manager import DataParallelExecutorManager  # noqa: E402
 from fitdp.saving.checkpoint import save_checkpoint  # noqa: E402
 
