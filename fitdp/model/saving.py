@@ -14,6 +14,7 @@ from fitdp.checks import check_choice, check_path
 from fitdp.compiled.setup import PRECISIONS
 from fitdp.data.sources import SourcePlan
 from fitdp.executor.fence import hold, wait_for_snapshots
+from fitdp.executor.sharded_io import nonfinite_names
 from fitdp.saving.async_writer import AsyncCheckpointWriter
 from fitdp.saving.checkpoint import CheckpointError, save_checkpoint
 from fitdp.saving.entries import (
@@ -30,7 +31,6 @@ from fitdp.saving.entries import (
 from fitdp.saving.export import export_module
 from fitdp.saving.sharded import (
     existing_checkpoint,
-    nonfinite_names,
     read_state,
     save_sharded,
     sharded_path,

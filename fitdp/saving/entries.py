@@ -10,12 +10,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fitdp._version import __version__
 from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.optimizers import optimizer_kind_problem
 from fitdp.executor.engines import reshard_state, whole_state
+from fitdp.executor.sharded_io import is_shard
 from fitdp.saving.checkpoint import (
     CheckpointError,
     capture_rng_state,
@@ -198,7 +198,7 @@ def snapshot(objects: Mapping[str, Stateful]) -> dict[str, Any]:
 
 
 def _on_cpu(value: Any) -> Any:
-    if isinstance(value, DTensor):
+    if is_shard(value):
         return value  # an FSDP2 shard: DCP copies it from its device (async: before return)
     if isinstance(value, torch.Tensor):
         return value.detach().cpu() if value.device.type != "cpu" else value

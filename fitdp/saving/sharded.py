@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from fitdp.checks import check_path, fail
 from fitdp.executor import sharded_io
@@ -33,7 +31,7 @@ from fitdp.saving.checkpoint import check_state, load_checkpoint, write_checkpoi
 from fitdp.saving.seal import CheckpointError
 
 __all__ = ["existing_checkpoint", "is_checkpoint", "is_sharded", "load_sharded",
-           "nonfinite_names", "read_state", "remove_checkpoint", "save_sharded",
+           "read_state", "remove_checkpoint", "save_sharded",
            "sharded_path", "verify_sharded"]
 
 REST = "state.ckpt"
@@ -138,22 +136,6 @@ def verify_sharded(path: str | os.PathLike[str]) -> None:
     if not os.path.isfile(os.path.join(step, ".metadata")):
         raise CheckpointError(f"{step}: DCP's .metadata is missing")
     load_checkpoint(os.path.join(step, REST))
-
-
-def nonfinite_names(state: dict[str, torch.Tensor]) -> list[str]:
-    """The floating-point entries of ``state`` holding NaN or inf; FSDP2 shards are checked
-    where they are, and the verdicts combined over the ranks (a collective every rank joins,
-    of one flag per entry: no gather)."""
-    names = [k for k, t in state.items() if t.is_floating_point()]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in (state[k] for k in names)]
-    flags = torch.tensor([not bool(torch.isfinite(t).all()) for t in local], dtype=torch.uint8)
-    devices = [t.to_local().device for t in state.values() if isinstance(t, DTensor)]
-    if devices:
-        # The default group, on the shards' device (NCCL takes no CPU tensor): the
-        # checkpoints' own group may be busy in an async save's thread.
-        flags = flags.to(devices[0])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return [k for k, bad in zip(names, flags.tolist()) if bad]
 
 
 def remove_checkpoint(path: str) -> None:

@@ -1,0 +1,133 @@
+"""Instructions per training step, fitdp against the hand loops, counted by valgrind.
+
+Run: python bench/instructions.py [--json out.json] [--quick]
+
+The timing benchmarks (overhead.py, replicas.py) read a few percent of overhead on a quiet
+machine and anything on a loaded one: on the shared 2-core box, the same two builds swapped
+order from run to run. This one counts the work itself. Each loop runs in its own process
+under ``valgrind --tool=callgrind`` with instrumentation off (a fast-forward through imports
+and one warm-up epoch); then ``callgrind_control -i on`` counts one epoch of ``n`` steps to
+the process's exit. Two epoch lengths give the cost per step without the per-fit cost:
+``(I(n2) - I(n1)) / (n2 - n1)``. The count includes every thread (valgrind runs them one at
+a time), torch's kernels and the interpreter; it does not see cache misses, lock waits or
+the scheduler, which is what the timing benchmarks add.
+
+Cases: the tiny and the 784-512-512 MLP of overhead.py (fitdp on one CPU device against the
+floor loop), and the two-replica MLPs of replicas.py (``devices=["cpu", "cpu"]`` against the
+hand-written two-thread loop). Needs ``valgrind`` on PATH (the script says so and exits 0
+without it). A full run takes about 4 minutes on 2 cores, ``--quick`` about one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CASES = {  # name: (layer sizes, batch, devices, (n1, n2) steps, in --quick)
+    "tiny": ([32, 64, 64, 10], 32, 1, (40, 240), True),
+    "wide": ([784, 512, 512, 10], 256, 1, (4, 14), False),
+    "replicas_128": ([128, 128, 128, 10], 64, 2, (20, 100), True),
+    "replicas_1024": ([1024, 1024, 1024, 10], 256, 2, (2, 6), False),
+}
+TARGETS = {"tiny": ("<=", 1.05), "wide": ("<=", 1.01), "replicas_128": ("<=", 1.05),
+           "replicas_1024": ("<=", 1.05)}  # fitdp / hand instructions per step
+
+
+def child(case: str, which: str, steps: int, mark: str) -> None:
+    """Build the loop, run one warm-up epoch, signal ``mark``, wait, run one counted epoch."""
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(1, str(HERE.parent))  # this checkout's fitdp
+    import overhead  # noqa: PLC0415
+    import replicas  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    sizes, bs, devices, _, _ = CASES[case]
+    x, y = replicas.data(sizes, bs * steps)
+    net = overhead.mlp(sizes)
+    if devices == 1:
+        epoch = (overhead.hand_loop(net, x, y, bs, "cpu") if which == "hand"
+                 else overhead.fitdp_loop(net, x, y, bs, ["cpu"]))
+    else:
+        epoch = (replicas.hand_two_threads(net, x, y, bs) if which == "hand"
+                 else replicas.fitdp_epoch(net, x, y, bs, ["cpu"] * devices))
+    epoch()
+    Path(mark).touch()
+    while not Path(mark + ".on").exists():
+        time.sleep(0.05)
+    epoch()
+    os._exit(0)  # the count ends here: no interpreter teardown in it
+
+
+def count(case: str, which: str, steps: int, tmp: Path) -> int:
+    """Instructions of one counted epoch of ``steps`` steps (see the module docstring)."""
+    tag = f"{case}-{which}-{steps}"
+    mark, out = tmp / f"{tag}.mark", tmp / f"{tag}.out"
+    proc = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+         sys.executable, __file__, "--child", case, which, str(steps), str(mark)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while not mark.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{tag}: the child exited early: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.2)
+    subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (tmp / f"{tag}.mark.on").touch()
+    _, err = proc.communicate(timeout=1800)
+    found = re.findall(r"Collected : (\d+)", err)
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"{tag}: valgrind exited {proc.returncode}: {err[-2000:]}")
+    return int(found[-1])
+
+
+def per_step(case: str, which: str, tmp: Path, pool: ThreadPoolExecutor) -> float:
+    n1, n2 = CASES[case][3]
+    a, b = pool.map(lambda n: count(case, which, n, tmp), (n1, n2))
+    return (b - a) / (n2 - n1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--quick", action="store_true", help="the two small cases only")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        case, which, steps, mark = args.child
+        child(case, which, int(steps), mark)
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("valgrind (with callgrind_control) is not on PATH: nothing counted")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"skipped": "valgrind not on PATH"}))
+        return
+    results: dict[str, dict[str, float]] = {}
+    print(f"{'case':<16} {'fitdp instr/step':>17} {'hand instr/step':>16}  ratio  target")
+    with tempfile.TemporaryDirectory(prefix="fitdp-instr-") as d, ThreadPoolExecutor(2) as pool:
+        for case, (_, _, _, _, quick) in CASES.items():
+            if args.quick and not quick:
+                continue
+            fitdp_, hand = (per_step(case, w, Path(d), pool) for w in ("fitdp", "hand"))
+            op, target = TARGETS[case]
+            results[case] = {"fitdp": fitdp_, "hand": hand, "ratio": fitdp_ / hand,
+                             "target": target}
+            print(f"{case:<16} {fitdp_:17,.0f} {hand:16,.0f}  {fitdp_ / hand:.3f}  {op} {target}",
+                  flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cases": results, "steps": {
+            k: v[3] for k, v in CASES.items()}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
