@@ -11,8 +11,8 @@ and keeps the largest sum: the quantity FSDP shards (activations are the same fo
 out). Also each rank's peak RSS growth over the fit (``ru_maxrss`` after it less before the
 model was built): that includes what ``fit`` keeps on the host besides the device's holdings
 (the host module, whole, under both) and what the allocator keeps of freed memory, read at
-the last step's end and after ``fit`` (whose end gathers FSDP2's shards and optimizer state
-whole on every rank). Step time: the median gap between consecutive step ends after the
+the last step's end and after ``fit`` (whose end gathers FSDP2's shards into the host
+module on every rank). Step time: the median gap between consecutive step ends after the
 first, rank 0's; the median over the rounds is reported.
 """
 
