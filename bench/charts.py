@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # before pyplot: no display on benchmark machines
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
-from summary import BUCKET_NAMES, DIST_NAMES, TINY, WIDE  # noqa: E402
+from summary import BUCKET_NAMES, DIST_NAMES, INSTRUCTION_NAMES, TINY, WIDE  # noqa: E402
 
 FITDP, HAND, PEER = "#1f77b4", "#8c8c8c", "#ff7f0e"
 
@@ -132,3 +132,12 @@ def sharding(data: dict[str, Any], path: Path, note: str) -> None:
           [HAND, FITDP], "time per step", "ms (lower is better)", "{:,.0f}")
     _save(fig, path, f"Model.fit under torchrun, 2 ranks: {rows['ddp']['params'] / 1e6:.1f}M "
           "parameters + Adam", note)
+
+
+def instructions(data: dict[str, Any], path: Path, note: str) -> None:
+    cases = data["cases"]
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.5 * len(cases) + 0.8))
+    _bars(ax, [INSTRUCTION_NAMES[k][0] for k in cases], [r["ratio"] for r in cases.values()],
+          [FITDP] * len(cases), "valgrind (callgrind): every thread, kernels and interpreter",
+          "fitdp / hand loop, instructions per step (lower is better)", "{:.3f}x")
+    _save(fig, path, "Work per step: fitdp against the hand loops", note)

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +49,7 @@ class Bench:
     quick: tuple[str, ...]  # the flags of a --quick run
     timeout_s: float  # of a full run; a quick run gets QUICK_TIMEOUT_S
     needs: str | None = None  # a module it imports that fitdp does not depend on
+    program: str | None = None  # a program it runs that is not part of Python
 
 
 QUICK_TIMEOUT_S = 150.0
@@ -60,6 +62,7 @@ BENCHES = (
     # Quick: (a) and (b) only; the Lightning and one-process launches add ~30 s of start-up.
     Bench("distributed", "distributed.py", ("--quick", "--cases", "ab"), 900),
     Bench("sharding", "sharding.py", ("--quick",), 900),
+    Bench("instructions", "instructions.py", ("--quick",), 900, program="valgrind"),
 )
 
 
@@ -96,6 +99,8 @@ def why_not(bench: Bench, quick: bool) -> str | None:
             return f"bench/{bench.script} has no {flag} flag yet: skipped"
     if bench.needs and importlib.util.find_spec(bench.needs) is None:
         return f"{bench.needs} not installed: skipped"
+    if bench.program and shutil.which(bench.program) is None:
+        return f"{bench.program} is not on PATH: skipped"
     return None
 
 
@@ -203,11 +208,17 @@ ABOUT = {
                 "the bytes each rank's optimizer steps (its parameter shards, their gradients, "
                 "Adam's moments; `to_local()` of FSDP2's DTensors), each rank's peak RSS "
                 "growth, and the time per step.",
+    "instructions": "The machine instructions one training step executes (valgrind's "
+                    "callgrind, every thread), fitdp against the floor loop (one CPU device) "
+                    "and the hand-written two-thread loop (two CPU replicas), from two epoch "
+                    "lengths so the per-fit cost drops out: the overhead without the "
+                    "machine's noise (it does not see cache misses or lock waits).",
 }
 TITLES = {"overhead": "Overhead per step", "checkpoint": "Checkpoints",
           "bucketing": "Bucketing", "replica_memory": "Memory per CPU replica",
           "distributed": "Distributed (torchrun, CPU)",
-          "sharding": "FSDP against DDP (torchrun, CPU)"}
+          "sharding": "FSDP against DDP (torchrun, CPU)",
+          "instructions": "Instructions per step (valgrind)"}
 
 
 def build(name: str, outcomes: dict[str, Outcome], img: Path, note: str,
@@ -223,6 +234,7 @@ def build(name: str, outcomes: dict[str, Outcome], img: Path, note: str,
         "replica_memory": (summary.replica_memory, charts.replica_memory, ()),
         "distributed": (summary.distributed, charts.distributed, ()),
         "sharding": (summary.sharding, charts.sharding, ()),
+        "instructions": (summary.instructions, charts.instructions, ()),
     }
     tables, chart, extra = makers[name]
     (img / f"{name}.png").unlink(missing_ok=True)  # no chart from an earlier run stays behind

@@ -311,3 +311,28 @@ def sharding(data: dict[str, Any]) -> tuple[list[Ratio], Table]:
                "optimizer MiB", "sum MiB", "peak RSS growth MiB", "ms per step (median)",
                "ms per step per round"]
     return rows, Table(headers, detail)
+
+INSTRUCTION_NAMES = {
+    "tiny": (TINY, "floor loop"),
+    "wide": (WIDE, "floor loop"),
+    "replicas_128": ("2 CPU replicas, MLP 128-128-128-10, batch 64", "hand two-thread loop"),
+    "replicas_1024": ("2 CPU replicas, MLP 1024-1024-1024-10, batch 256",
+                      "hand two-thread loop"),
+}
+
+
+def instructions(data: dict[str, Any]) -> tuple[list[Ratio], Table]:
+    """Instructions per step under valgrind, fitdp over the hand loop (bench/instructions.py)."""
+    cases = data.get("cases")
+    if cases is None:
+        raise ValueError(data.get("skipped", "no cases"))
+    rows, detail = [], []
+    for key, r in cases.items():
+        case, ref = INSTRUCTION_NAMES[key]
+        rows.append(Ratio("instructions", f"{case}: instructions per step",
+                          f"{ref} {r['hand'] / 1e6:.3f} M", f"{r['fitdp'] / 1e6:.3f} M",
+                          r["ratio"], r["ratio"], "<=", r["target"]))
+        n1, n2 = data["steps"][key]
+        detail.append([case, f"{r['fitdp']:,.0f}", f"{r['hand']:,.0f}", f"{n1} and {n2}"])
+    return rows, Table(["case", "fitdp instructions/step", "hand instructions/step",
+                        "epochs counted (steps)"], detail)

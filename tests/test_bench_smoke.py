@@ -127,3 +127,23 @@ def test_the_benchmarks_page_ends_with_the_first_gpu_runs_checklist():
     checklist = "\n".join(report.GPU_CHECKLIST).rstrip() + "\n"
     assert report.page("x", "now", [], [], [], quick=False).endswith(checklist)
     assert (ROOT / "docs" / "benchmarks.md").read_text().endswith(checklist)
+
+
+def test_instruction_rows_hold_fitdp_to_the_hand_loops_count():
+    """bench/instructions.py's rows: the ratio is fitdp's count over the hand loop's, held to
+    its target (a count 20% over the floor loop's misses), and a run without valgrind says why
+    instead of giving rows."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import summary  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    data = {"cases": {"tiny": {"fitdp": 1.2e6, "hand": 1e6, "ratio": 1.2, "target": 1.05},
+                      "replicas_128": {"fitdp": 4.9e6, "hand": 5e6, "ratio": 0.98,
+                                       "target": 1.05}},
+            "steps": {"tiny": [5, 25], "replicas_128": [20, 100]}}
+    rows, detail = summary.instructions(data)
+    assert [r.result for r in rows] == ["MISS", "PASS"]
+    assert detail.rows[0][1:3] == ["1,200,000", "1,000,000"]
+    with pytest.raises(ValueError, match="valgrind"):
+        summary.instructions({"skipped": "valgrind not on PATH"})
