@@ -71,8 +71,8 @@ def checkpoint(data: dict[str, Any], path: Path, note: str) -> None:
           f"save, {data['params'] / 1e6:.1f}M parameters + Adam",
           "ms per save (lower is better)", "{:,.1f}")
     labels, values, colors = [], [], []
-    for path, res in stall.items():
-        labels += [f"{path}: async, lost", f"{path}: sync, cost"]
+    for where, res in stall.items():  # (not "path": that is where the chart goes)
+        labels += [f"{where}: async, lost", f"{where}: sync, cost"]
         values += [res["lost_quartiles_s"][1] * 1e3, res["sync_cost_quartiles_s"][1] * 1e3]
         colors += [FITDP, HAND]
     _bars(axes[1], labels, values, colors, "training time a save costs, in fit (median)",

@@ -52,6 +52,7 @@ WORLD = 2
 LR = 1e-3
 SEED = 0
 TAG = "BENCH_JSON "  # prefix of the one line each worker prints
+TARGET = 1.0  # (a) fitdp "ddp" / (b) the hand DDP loop, samples/s, at least (issue 20.5)
 CASES = {
     "a": "fitdp, torchrun 2 ranks",
     "b": "hand DDP loop, torchrun 2 ranks",
@@ -376,9 +377,9 @@ def main() -> int:
         q = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 \
             else paired * 3
         rows["a"].update(paired_ratios_vs_b=paired, paired_ratio_quartiles=q)
-        target = q[1] >= 0.95
+        target = q[1] >= TARGET
         print(f"(a)/(b) per round, back to back: {', '.join(f'{r:.3f}' for r in paired)}")
-        print(f"target (a) >= 0.95x (b), median of the rounds' ratios: {q[1]:.3f}x (IQR "
+        print(f"target (a) >= {TARGET}x (b), median of the rounds' ratios: {q[1]:.3f}x (IQR "
               f"{q[0]:.3f} to {q[2]:.3f}; ratio of the medians {rows['a']['ratio_vs_b']:.3f}x) "
               f"{'met' if target else 'NOT met'}")
     if args.json:
