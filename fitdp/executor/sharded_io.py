@@ -189,17 +189,18 @@ def checkpoint_group() -> Any:
 
 
 def nonfinite_names(state: dict[str, torch.Tensor]) -> list[str]:
-    """The floating-point entries of ``state`` holding NaN or inf; FSDP2 shards are checked
-    where they are, and the verdicts combined over the ranks (a collective every rank joins,
-    of one flag per entry: no gather)."""
+    """The floating-point entries of ``state`` holding NaN or inf, with one host sync. FSDP2
+    shards are checked where they are and the verdicts combined over the ranks (a collective
+    every rank joins, of one flag per entry: no gather); plain tensors need no collective."""
     names = [k for k, t in state.items() if t.is_floating_point()]
+    if not names:
+        return []
     local = [t.to_local() if isinstance(t, DTensor) else t for t in (state[k] for k in names)]
-    flags = torch.tensor([not bool(torch.isfinite(t).all()) for t in local], dtype=torch.uint8)
-    devices = [t.to_local().device for t in state.values() if isinstance(t, DTensor)]
-    if devices:
-        # The default group, on the shards' device (NCCL takes no CPU tensor): the
-        # checkpoints' own group may be busy in an async save's thread.
-        flags = flags.to(devices[0])
+    shards = [t.device for t, k in zip(local, names) if isinstance(state[k], DTensor)]
+    # On the shards' device (NCCL takes no CPU tensor), else the first entry's.
+    device = shards[0] if shards else local[0].device
+    flags = torch.stack([(~torch.isfinite(t).all()).to(device) for t in local]).to(torch.uint8)
+    if shards:  # the default group: the checkpoints' own may be busy in an async save
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [k for k, bad in zip(names, flags.tolist()) if bad]
 

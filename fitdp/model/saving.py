@@ -313,8 +313,7 @@ class ModelIO:
         if self._shards():
             return nonfinite_names(self._replicas.sharded_weights(self.module))  # type: ignore[union-attr]
         self._sync_host()
-        return [k for k, t in self.module.state_dict().items()
-                if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        return nonfinite_names(self.module.state_dict())
 
     def export(self, path: str | os.PathLike[str], example_inputs: Any, *,
                precision: str = "32", dynamic_shapes: Any = None) -> None:
