@@ -1,4 +1,5 @@
-"""The caller's ``torch.compile`` settings, carried into the replica threads.
+"""How a replica compiles: the caller's ``torch.compile`` settings, carried into the replica
+threads, and a code object, recompile limit and first-compile lock per replica (see below).
 
 Since torch 2.12 the overrides of ``torch._dynamo.config``, ``torch._inductor.config`` (and
 ``torch.compiler.config``, which some of their names alias) are thread-local: a setting made
@@ -16,16 +17,19 @@ thread itself.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 # torch.compiler.config holds the settings the other two alias (force_disable_caches, ...).
 MODULES = ("torch.compiler.config", "torch._dynamo.config", "torch._inductor.config")
-# Raised per thread by the executor (``_raise_recompile_limit``); never copied over.
+# Raised per thread by the executor (``raise_recompile_limit``); never copied over.
 MANAGED = frozenset({"recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
                      "accumulated_cache_size_limit"})
 
@@ -83,3 +87,45 @@ def check_compile(compile: bool | str, devices: Sequence[torch.device]) -> None:
             f"torch {torch.__version__}; expected torch 2.13 or later for CUDA graphs from "
             f"several replica threads (pytorch#123177). Fix: upgrade torch, compile=True "
             f"(the default mode), or one device per process under torchrun.")
+
+
+# Dynamo (torch.compile) keeps its graphs in a cache per code object, and that cache is not
+# safe to share between threads: replicas running at once on their device threads through one
+# cache recompile shapes they had already compiled (measured: 10 cached shapes, 2 threads ->
+# 3-8 spurious recompilations). So each executor compiles a code object of its own (a copy of
+# ``_run_module``): its cache holds only its own input shapes, and only its thread touches it.
+_THREAD = threading.local()  # the recompile limit this thread has already raised dynamo's to
+LIMIT_MARGIN = 8  # room for dynamo's own guard failures (the default limit)
+# A new shape compiles under this lock, one replica thread at a time: dynamo and inductor
+# keep process-wide state (caches, config, CUDA-graph trees) that concurrent first calls
+# from several device threads would race on; cached shapes run without it.
+COMPILE_LOCK = threading.Lock()
+
+
+def _run_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What an executor compiles (as a private copy, see above)."""
+    return module(*args, **kwargs)
+
+
+def compile_replica(module: nn.Module, name: str, mode: str | None = None) -> Callable[..., Any]:
+    """``torch.compile`` ``module`` (with ``mode``, e.g. ``"reduce-overhead"`` for CUDA
+    graphs) through a code object of its own, with static shapes (one
+    graph per bucket shape: bucket shapes are few and known)."""
+    template = _run_module.__code__
+    fn = types.FunctionType(template.replace(co_name=name), _run_module.__globals__, name)
+    return functools.partial(torch.compile(fn, dynamic=False, mode=mode), module)
+
+
+def raise_recompile_limit(entries: int) -> None:
+    """Let dynamo keep ``entries`` graphs per code object, in this thread: dynamo's config
+    overrides are thread-local, and each device thread may compile. Never lowers a limit."""
+    if getattr(_THREAD, "limit", 0) >= entries:
+        return
+    import torch._dynamo  # noqa: PLC0415 - only needed with compile=True
+
+    config = torch._dynamo.config
+    for names in (("recompile_limit", "cache_size_limit"),  # the second: before torch 2.7
+                  ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
+        name = next(n for n in names if hasattr(config, n))
+        setattr(config, name, max(getattr(config, name), entries))
+    _THREAD.limit = entries

@@ -4,6 +4,7 @@ threads, which compile with them (issue 21 item 9: the config is thread-local si
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -21,7 +22,7 @@ def test_replica_threads_compile_with_the_callers_settings(monkeypatch):
     call_module = replica.call_module
 
     def spy(fn, inputs):
-        if isinstance(fn, replica.functools.partial):  # a compiled replica: run it eagerly
+        if isinstance(fn, functools.partial):  # a compiled replica: run it eagerly
             seen.append((threading.current_thread().name, dynamo.verbose,
                          inductor.max_autotune, inductor.force_disable_caches))
             return call_module(fn.args[0], inputs)

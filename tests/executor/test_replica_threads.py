@@ -126,7 +126,7 @@ def test_first_compiled_calls_run_one_thread_at_a_time(monkeypatch):
     inductor keep process-wide state); cached shapes run at once."""
     import fitdp.executor.replica as executor
 
-    monkeypatch.setattr(executor, "_raise_recompile_limit", lambda entries: None)
+    monkeypatch.setattr(executor, "raise_recompile_limit", lambda entries: None)
     mgr = DataParallelExecutorManager(nn.Linear(6, 3), ["cpu", "cpu"],
                                       loss=Objective("cross_entropy"))
     inside, most = [0], [0]
