@@ -39,10 +39,13 @@ def run_batches(
         The number of batches run.
     """
     done = 0
+    begin, end = callbacks.hook(hooks.begin), callbacks.hook(hooks.end)
     for i, batch in enumerate(batches):
-        callbacks.call(hooks.begin, i, {})
+        if begin:  # (no call per batch for a hook nobody overrides)
+            callbacks.call(hooks.begin, i, {})
         logs = step(batch, i)
-        callbacks.call(hooks.end, i, logs)
+        if end:
+            callbacks.call(hooks.end, i, logs)
         done += 1
         if stop():
             break

@@ -162,8 +162,9 @@ class Session:
         with GUARD.critical():  # the step's one guard (the bound step holds none)
             if self.mode is not True:
                 self._set_mode(True)
-            if self.monitor is not None:
-                self.monitor.tic()
+            monitor = self.monitor
+            if monitor is not None:
+                monitor.tic()
             # Zeroed as the step begins, not after it: gradients stay readable until the
             # next step begins (monitors, callbacks).
             first = run.micro_step == 0
@@ -171,8 +172,8 @@ class Session:
             # Stepped inside the batch's hand-off, except on the call's first batch: its
             # outputs are checked before the first step. With several optimizers a custom
             # train_step steps them itself (``Model.optimizer_step``): fitdp takes none.
-            self._one_batch(self.train, batch,  # type: ignore[arg-type]
-                      zero_grad=first, step=due and self.verified and not self.manual)
+            self._one_batch(self.train, batch, first,  # type: ignore[arg-type]
+                            due and self.verified and not self.manual)
             if not self.verified:
                 self._first_batch_checks(batch)
                 if due and not self.manual:
@@ -180,8 +181,8 @@ class Session:
             run.micro_step += 1
             if due:
                 self._stepped()
-            if self.monitor is not None:
-                self.monitor.report(run.epoch)
+            if monitor is not None:
+                monitor.report(run.epoch)
         return self._batch_logs(index)
 
     def _stepped(self) -> None:
@@ -256,16 +257,17 @@ class Session:
 
     # -- shared by every call -------------------------------------------------------------
 
-    def _one_batch(self, bound: BatchStep, batch: DataBatch, **how: Any) -> None:
-        """One batch through one of the call's bound steps (``how``: its zeroing and
-        optimizer step). On a call's first batch, the user's errors come back with what the
-        batch held."""
+    def _one_batch(self, bound: BatchStep, batch: DataBatch, zero_grad: bool = False,
+                   step: bool = False) -> None:
+        """One batch through one of the call's bound steps (``zero_grad``, ``step``: its
+        zeroing and optimizer step). On a call's first batch, the user's errors come back
+        with what the batch held."""
         if self.mode is not bound.is_train:
             self._set_mode(bound.is_train)
         if self.checked:
             if self.metrics is not None:  # time-major outputs reach them batch-first
                 self.metrics.axis = batch.axis
-            bound(batch, total_rows=batch.global_rows, **how)
+            bound(batch, zero_grad=zero_grad, step=step, total_rows=batch.global_rows)
             return
         trainer = self.trainer
         if trainer is not None and batch.label is not None and self.custom is None:
@@ -274,7 +276,7 @@ class Session:
                 raise ValueError(trainer.objective.no_weights_message())
         try:
             self.checked = True
-            self._one_batch(bound, batch, **how)
+            self._one_batch(bound, batch, zero_grad, step)
         except Exception as err:
             self.checked = False
             if raised_in_fitdp(err):

@@ -72,10 +72,12 @@ class CallbackList:
 
     def _rebuild(self) -> None:
         """Precompute, per hook, the bound methods of the callbacks that override it."""
-        self._hooks: dict[str, list[Callable[..., Any]]] = {
-            hook: [getattr(cb, hook) for cb in self.callbacks if _overrides(cb, hook)]
-            for hook in HOOKS
-        }
+        hooks = {hook: [getattr(cb, hook) for cb in self.callbacks if _overrides(cb, hook)]
+                 for hook in HOOKS}
+        if not hasattr(self, "_hooks"):
+            self._hooks: dict[str, list[Callable[..., Any]]] = hooks
+        for hook, fns in hooks.items():  # in place: a loop holding a list sees the change
+            self._hooks[hook][:] = fns
         self._sync = any(getattr(cb, "sync_every_batch", False) is True for cb in self.callbacks)
         # A duck-typed callback without the attribute is assumed to read its batch logs.
         self._needs_logs = any(
@@ -153,6 +155,11 @@ class CallbackList:
         """True when a callback with a batch-end hook reads its logs (`needs_batch_logs`): the
         model then reads exact logs every batch where that costs no device sync (CPU)."""
         return self._needs_logs
+
+    def hook(self, hook_name: str) -> list[Callable[..., Any]]:
+        """The methods that ``call(hook_name, ...)`` runs, in order: the list itself, kept
+        current as callbacks are added (a batch loop tests it before each call)."""
+        return self._hooks[hook_name]
 
     def listens(self, hook_name: str) -> bool:
         """Whether some callback does something in `hook_name` (it gets called at all)."""

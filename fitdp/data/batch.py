@@ -174,6 +174,18 @@ class DataBatch:
             raise ValueError(f"DataBatch.pad: got {pad}; expected an int in [0, {rows}] (the "
                              f"batch has {rows} rows). Fix: pad counts padding rows at the end.")
 
+    @classmethod
+    def of_rows(cls, data: Inputs, label: Any, global_rows: int | None,
+                sample_weight: torch.Tensor | None = None) -> DataBatch:
+        """A batch of a source's own rows, without padding, index, bucket or layout: what
+        ``DataBatch(data, label, global_rows=..., sample_weight=...)`` makes, less its
+        ``pad`` check (an in-memory source makes one every step)."""
+        batch = cls.__new__(cls)
+        batch.__dict__.update(data=data, label=label, bucket_key=None, pad=0, index=None,
+                              global_rows=global_rows, sample_weight=sample_weight,
+                              layout=None)
+        return batch
+
     def check_rows(self) -> None:
         """Labels and sample weights must have one row per sample of the data.
 
@@ -208,3 +220,21 @@ class DataBatch:
             DataDesc(n, tuple(t.shape), t.dtype)
             for n, t in zip(tree_names(self.label, "label"), tree_leaves(self.label))
         ]
+
+
+def checked_rows(batch: DataBatch) -> tuple[int, int]:
+    """The batch's rows and batch axis, after ``DataBatch.check_rows`` (a batch of one data
+    tensor and one label tensor is checked here without walking its trees: every step)."""
+    layout, data, label = batch.layout, batch.data, batch.label
+    axis = 0 if layout is None else batch_axis(layout)
+    if data.__class__ is torch.Tensor and batch.sample_weight is None:
+        shape = data.shape
+        if len(shape) > axis:
+            if label is None:
+                return shape[axis], axis
+            if label.__class__ is torch.Tensor:
+                lshape = label.shape
+                if lshape and lshape[axis if len(lshape) > axis else 0] == shape[axis]:
+                    return shape[axis], axis
+    batch.check_rows()  # the message, or a batch of trees
+    return batch.batch_size, axis

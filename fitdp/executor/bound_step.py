@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fitdp.checks import FitdpWarning
-from fitdp.data.batch import DataBatch, axis_of, batch_axis
+from fitdp.data.batch import DataBatch, checked_rows
 from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck, slow_replicas_message
 from fitdp.executor.engines import set_sync
 from fitdp.executor.flat_buckets import FlatBuckets
@@ -90,22 +90,23 @@ class BatchStep:
         """Load, forward, backward (training), metrics and, with ``step``, the optimizer
         update of ``batch``; ``zero_grad``: zero the gradients first; ``total_rows``: the
         rows the mean loss is taken over (default: this batch's, summed over the ranks)."""
-        mgr = self.mgr
         rows, axis = checked_rows(batch)
-        group = self.group or mgr._group_of(batch, checked=True)
-        slices = self.slices.get(rows) or mgr._slices_for(rows)
+        group = self.group or self.mgr._group_of(batch, checked=True)
+        slices = self.slices.get(rows) or self.mgr._slices_for(rows)
         job = group.job
         job.set(batch, rows, axis, slices)
         job.is_train, job.compute, job.autocast = self.is_train, self.compute, self.autocast
         job.scale, job.metric = self.scale, self.metric
+        total: int | torch.Tensor
         if total_rows is not None:
-            total: int | torch.Tensor = total_rows
+            total = total_rows
+        elif self.global_rows is not None:
+            total = self.global_rows(rows - batch.pad)
         else:
             total = rows - batch.pad
-            if self.global_rows is not None:
-                total = self.global_rows(total)
         weigh(job, total, self.counter, self.global_count)
-        update, stepping = self.update, False
+        update = self.update
+        stepping = False
         if update is not None:
             stepping = update.prepare(zero_grad, step)
             lead = self.lead
@@ -114,6 +115,18 @@ class BatchStep:
             job.update = update if zero_grad or stepping else None
         else:
             job.update = None
+        mgr = self.mgr
+        if mgr._speed_check is not None or mgr.balancer is not None:
+            self._measured(group, job, stepping)  # several CPU replicas, or "auto" loads
+            return
+        group.dispatch(group.shares, self.on_caller, False)
+        if stepping:
+            update.finish_all()  # type: ignore[union-attr]
+
+    def _measured(self, group: DataParallelExecutorGroup, job: Any, stepping: bool) -> None:
+        """The hand-off of a batch whose shares are timed: the slow-replicas check (several
+        CPU replicas) and ``work_load_list="auto"``."""
+        mgr, update = self.mgr, self.update
         check = mgr._speed_check if self.is_train else None
         balancer = mgr.balancer
         serial = check is not None and check.serial_next()
@@ -128,7 +141,7 @@ class BatchStep:
         if balancer is not None and not serial:
             # This batch's times on the CPU; on CUDA those of the batches whose events have
             # run by now (see ShareClock: no host sync).
-            for done_rows, seconds in job.clock.finished([s.stop - s.start for s in slices],
+            for done_rows, seconds in job.clock.finished([s.stop - s.start for s in job.slices],
                                                         group.times):
                 new = balancer.record(done_rows, seconds)
                 if new is not None:
@@ -371,24 +384,10 @@ class StepMixin:
         if check.done:
             self._speed_check = None  # decided: nothing more to measure
         if verdict is not None:
-            # At the user's fit: _check_speed, run_batch, train_step, run_batches,
-            # train_epoch, fit.
+            # At the fit: _check_speed, _measured, the bound step, _one_batch, train_step,
+            # run_batches, train_epoch, fit.
             warnings.warn(slow_replicas_message(len(self.devices), *verdict), FitdpWarning,
-                          stacklevel=7)
-
-
-def checked_rows(batch: DataBatch) -> tuple[int, int]:
-    """The batch's rows and batch axis, after ``DataBatch.check_rows`` (a batch of one data
-    tensor and one label tensor is checked here without walking its trees: every step)."""
-    data, label, weight = batch.data, batch.label, batch.sample_weight
-    axis = batch_axis(batch.layout)
-    if (isinstance(data, torch.Tensor) and data.dim() > axis and weight is None
-            and (label is None or isinstance(label, torch.Tensor) and label.dim())):
-        rows = data.shape[axis]
-        if label is None or label.shape[axis_of(label, axis)] == rows:
-            return rows, axis
-    batch.check_rows()  # the message, or a batch of trees
-    return batch.batch_size, axis
+                          stacklevel=8)
 
 
 _NULL = contextlib.nullcontext()  # reusable: entering it has no state

@@ -88,3 +88,14 @@ def check_split(batch_size: Any, work_load_list: Any) -> None:
     if not work_load_list:
         fail("work_load_list", work_load_list, "at least one positive number (one per device)",
              "pass e.g. [1, 1] for two equal devices")
+
+
+def check_loss(loss: Any) -> None:
+    """A slice's loss must be a scalar tensor (the mean over the slice)."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+        raise ValueError(
+            f"loss: the loss function returned {shape}; expected a scalar tensor "
+            f"(the mean over the batch). Fix: reduce with .mean() or use "
+            f"reduction='mean'."
+        )

@@ -67,6 +67,7 @@ class DataParallelExecutorGroup:
         compile_config: CompileConfig | None = None,
     ) -> None:
         self.bucket_key = bucket_key
+        self.bucketed = bucket_key is not None  # its executors share input buffers
         self.workers = workers
         self.logger = logger or logging.getLogger("fitdp")
         self.executors = [
@@ -157,14 +158,17 @@ class DataParallelExecutorGroup:
         do). ``timed``: record each share's time (``times``, ``section_seconds``); untimed,
         a share reads no clock."""
         job = self.job
-        self.set_mode(job.is_train)
+        is_train = job.is_train
+        for ex in self.executors:  # (``set_mode``, without the call: every batch)
+            if ex.module.training is not is_train:
+                ex.module.train(is_train)
         self.slices = job.slices
         job.timed = timed
-        if job.is_train and self.stochastic is not False:
+        if is_train and self.stochastic is not False:
             probe = self._begin_turns(True)
         else:  # no turns (evaluation, or replicas that never draw): two calls fewer a batch
-            probe, job.in_turn = None, False
-            job.step_turns = False
+            probe = None
+            job.in_turn = job.step_turns = False
         if timed:
             self.start = perf_counter()
         if serial:
@@ -176,7 +180,7 @@ class DataParallelExecutorGroup:
             self._end_turns(probe)
         if job.metric is not None:
             job.metric.end_batch(job.axis)  # the metrics that update with the whole batch
-        if self.executors[0].warn_on_grow:
+        if self.bucketed:
             self._warn_grown()
 
     def _begin_turns(self, is_train: bool) -> list[torch.Tensor] | None:

@@ -72,10 +72,10 @@ class Job:
         """This batch, its rows, batch axis and slices; each device's valid rows."""
         self.batch, self.slices, self.axis, self.load = batch, slices, axis, True
         self.metric_labels = None
-        end = rows - batch.pad
         if len(slices) == 1:
-            self.valid[0] = end
+            self.valid[0] = rows - batch.pad
         else:
+            end = rows - batch.pad
             for d, sl in enumerate(slices):
                 self.valid[d] = max(0, min(sl.stop, end) - sl.start)
 
@@ -103,13 +103,15 @@ class Job:
 
 def load_share(job: Job, d: int) -> None:
     """Copy device ``d``'s slice of the batch into its input buffers."""
-    ex, batch = job.executors[d], job.batch
-    if len(job.executors) == 1:
-        ex.load(batch.data, batch.label, job.valid[0], batch.sample_weight, job.axis)
+    ex, batch, sl = job.executors[d], job.batch, job.slices[d]
+    if len(job.slices) == 1:
+        ex.load(batch.data, batch.label, job.valid[0], batch.sample_weight, job.axis,
+                sl.stop - sl.start)
     else:
-        sl, axis = job.slices[d], job.axis
+        axis = job.axis
         ex.load(_rows(batch.data, sl, axis), _rows(batch.label, sl, axis), job.valid[d],
-                None if batch.sample_weight is None else batch.sample_weight[sl], axis)
+                None if batch.sample_weight is None else batch.sample_weight[sl], axis,
+                sl.stop - sl.start)
 
 
 def forward_share(job: Job, d: int) -> float:
@@ -151,22 +153,29 @@ def device_share(job: Job, d: int) -> None:
     """Device ``d``'s share of the batch: zero, load, forward, backward, metric; its time
     goes to ``job.times[d]`` (less the wait for an earlier device's turn)."""
     timed = job.timed
-    start = perf_counter() if timed else 0.0
     if timed:
+        start = perf_counter()
         job.clock.begin(d)
-    waited = 0.0
-    try:
-        update = job.update
+    update = job.update
+    if not job.in_turn:
         if update is not None and update.zero:  # the first batch of an optimizer step
             update.zero_device(d)
         if job.load:
             load_share(job, d)
-        waited = forward_share(job, d)
-    finally:
-        if job.in_turn:
+        ex = job.executors[d]
+        ex.forward(job.is_train, job.compute, job.weights[d], job.autocast, job.counts[d])
+        waited = 0.0
+    else:
+        try:
+            if update is not None and update.zero:
+                update.zero_device(d)
+            if job.load:
+                load_share(job, d)
+            waited = forward_share(job, d)
+        finally:
             job.turn[d].set()  # a load that failed never leaves the next device waiting
     if job.is_train:
-        backward_share(job, d)
+        job.executors[d].backward(job.scale)
     if job.metric is not None:
         metric_share(job, d)
     if timed:
@@ -198,7 +207,17 @@ def weigh(job: Job, total_rows: int | torch.Tensor, counter: Count | None,
     """Each device's loss weight (and count) into ``job``: its valid rows over
     ``total_rows``, or its share of the counted targets (see ``count_targets``)."""
     executors, weights, counts, valid = job.executors, job.weights, job.counts, job.valid
-    if not isinstance(total_rows, torch.Tensor):
+    if total_rows.__class__ is int:
+        denom_f = float(total_rows) if total_rows > 1 else 1.0
+        if len(weights) == 1:  # (every step on one device: without the loop)
+            weights[0] = valid[0] / denom_f
+            counts[0] = None
+            if counter is None:
+                return
+        else:
+            for d in range(len(weights)):
+                weights[d], counts[d] = valid[d] / denom_f, None
+    elif not isinstance(total_rows, torch.Tensor):
         denom_f = float(max(total_rows, 1))
         for d in range(len(weights)):
             weights[d], counts[d] = valid[d] / denom_f, None

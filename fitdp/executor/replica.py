@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fitdp.data.batch import axis_of, batch_length, take_rows, tree_leaves, tree_map, tree_names
+from fitdp.executor.checks import check_loss
 from fitdp.executor.compile_config import (
     COMPILE_LOCK,
     LIMIT_MARGIN,
@@ -116,6 +117,8 @@ class Executor:
         # read (measured, see ``fold_losses``). Elsewhere the losses wait as tensors: no host
         # sync per step.
         self.host_losses = device.type == "cpu"
+        # A CPU replica without buckets takes a batch's CPU tensors as they are (``load``).
+        self.direct = device.type == "cpu" and not warn_on_grow
         self._host_sum = self._host_count = 0.0
         self._clean: tuple[torch.Tensor, int] | None = None  # labels with no target ignored
 
@@ -137,19 +140,27 @@ class Executor:
         self.grown.clear()  # asked for, not a bucket outgrowing its buffer: no warning
 
     def load(self, data: Any, label: Any, valid: int, weight: torch.Tensor | None = None,
-             axis: int = 0) -> None:
+             axis: int = 0, rows: int | None = None) -> None:
         """Copy this device's slice of the batch (and its per-sample loss weights, if any)
-        into the input buffers (non-blocking); ``axis`` is the batch axis."""
-        self.inputs = self._stage(data, "data")
-        self.labels = None if label is None else self._stage(label, "label")
-        self.weights = None if weight is None else self._stage(weight, "weight")
-        self.axis = axis
-        inputs = self.inputs
-        if isinstance(inputs, torch.Tensor):  # the common case, without walking a tree
-            self.rows = int(inputs.shape[axis_of(inputs, axis)]) if inputs.dim() else 1
+        into the input buffers (non-blocking); ``axis`` is the batch axis, ``rows`` the
+        slice's rows when the caller knows them (else read from the inputs)."""
+        if (self.direct and data.__class__ is torch.Tensor and data.is_cpu and weight is None
+                and (label is None or label.__class__ is torch.Tensor and label.is_cpu)):
+            # The common case on one CPU replica: the batch's own tensors, no copy and no
+            # tree walk (every step).
+            self.inputs, self.labels, self.weights = data, label, None
         else:
-            self.rows = batch_length(inputs, axis) if tree_leaves(inputs) else 0
-        self.valid = valid
+            self.inputs = self._stage(data, "data")
+            self.labels = None if label is None else self._stage(label, "label")
+            self.weights = None if weight is None else self._stage(weight, "weight")
+        self.axis, self.valid = axis, valid
+        if rows is None:
+            inputs = self.inputs
+            if isinstance(inputs, torch.Tensor):
+                rows = int(inputs.shape[axis_of(inputs, axis)]) if inputs.dim() else 1
+            else:
+                rows = batch_length(inputs, axis) if tree_leaves(inputs) else 0
+        self.rows = rows
 
     def _stage(self, tree: Any, prefix: str) -> Any:
         if isinstance(tree, torch.Tensor):
@@ -194,31 +205,30 @@ class Executor:
             with torch.set_grad_enabled(is_train), autocast:
                 loss, outputs = compute(self, is_train)
         self.outputs = outputs
-        if loss is not None:
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-                raise ValueError(
-                    f"loss: the loss function returned {shape}; expected a scalar tensor "
-                    f"(the mean over the batch). Fix: reduce with .mean() or use "
-                    f"reduction='mean'."
-                )
-            if count is None:  # the logged loss weighs the slice by what it means over
-                labels = self.labels if self.valid == self.rows else self.valid_rows(self.labels)
-                count = self.valid if self.weights is not None or labels is None else (
-                    self._logged_count(getattr(compute, "counts", None), labels))
-            if self.host_losses:
-                n = count if count.__class__ is int else float(count)
-                self._host_sum += loss.item() * n
-                self._host_count += n
+        if loss is None:
+            return outputs
+        if loss.__class__ is not torch.Tensor or loss.dim():
+            check_loss(loss)  # a tensor subclass passes; anything else is the user's error
+        if count is None:  # the logged loss weighs the slice by what it means over
+            clean, labels = self._clean, self.labels
+            if (clean is not None and labels.__class__ is torch.Tensor
+                    and labels._base is clean[0] and clean[0]._version == clean[1]
+                    and self.weights is None):
+                count = self.valid  # (``_logged_count``'s answer for these labels, again)
             else:
-                self.pending_losses.append((loss.detach(), count))
-                if len(self.pending_losses) >= 256:  # bound the list between log points
-                    self.fold_losses()
-            unit = weight.__class__ is float and weight == 1.0
-            self.loss = loss if unit else loss * weight
+                count = self._logged_count(compute)
+        if self.host_losses:
+            n = count if count.__class__ is int else float(count)
+            self._host_sum += loss.item() * n
+            self._host_count += n
+        else:
+            self.pending_losses.append((loss.detach(), count))
+            if len(self.pending_losses) >= 256:  # bound the list between log points
+                self.fold_losses()
+        self.loss = loss if weight.__class__ is float and weight == 1.0 else loss * weight
         return outputs
 
-    def _logged_count(self, counter: Any, labels: Any) -> int | torch.Tensor:
+    def _logged_count(self, compute: Compute) -> int | torch.Tensor:
         """What the logged loss weighs this slice by when the caller gave no count: the
         targets a counted loss means over (per-token labels padded with -100), else the
         valid rows; so the logged loss is the same on one device as on several.
@@ -226,12 +236,20 @@ class Executor:
         The labels' base tensor (an in-memory source's epoch labels) is counted once while
         it is unchanged: with no target ignored, rows weigh as tokens, and no op is made
         per step."""
-        if counter is None or not isinstance(labels, torch.Tensor):
-            return self.valid
-        base = labels if labels._base is None else labels._base
+        labels = self.labels
+        if self.weights is not None or not isinstance(labels, torch.Tensor):
+            return self.valid  # sample weights mean over rows; a tree of labels: rows too
+        base = labels._base
+        if base is None:
+            base = labels
         clean = self._clean
         if clean is not None and clean[0] is base and clean[1] == base._version:
             return self.valid
+        counter = getattr(compute, "counts", None)
+        if counter is None:
+            return self.valid
+        if self.valid < self.rows:
+            labels = self.valid_rows(labels)
         whole = counter(base)
         if whole is None:
             return self.valid
@@ -354,17 +372,28 @@ class ModuleLoss:
         self.loss_fn = loss_fn
         # What a slice's mean divides by when it is not the rows (see ``job.weigh``).
         self.counts = getattr(loss_fn, "counts", None)
+        # The loss without sample weights (a compiled ``Objective`` of one loss: that loss's
+        # own function).
+        self.unweighted = getattr(loss_fn, "unweighted", loss_fn)
 
     def __call__(self, ex: Executor, training: bool) -> tuple[torch.Tensor | None, Any]:
-        outputs = ex.module_outputs(training)
-        loss_fn = self.loss_fn
-        if loss_fn is None or ex.labels is None or ex.valid == 0:
+        inputs = ex.inputs
+        if inputs.__class__ is torch.Tensor and not (ex.compiled or ex.inputs_need_grad):
+            outputs = ex.fn(inputs)  # (``module_outputs``'s common case, without the call)
+        else:
+            outputs = ex.module_outputs(training)
+        lab = ex.labels
+        if lab is None or ex.valid == 0 or self.loss_fn is None:
             return None, outputs
-        out, lab, w = outputs, ex.labels, ex.weights
+        w = ex.weights
         if ex.valid < ex.rows:
             out, lab = ex.valid_rows(outputs), ex.valid_rows(lab)
             w = None if w is None else w[: ex.valid]
-        return (loss_fn(out, lab) if w is None else loss_fn(out, lab, w)), outputs
+        else:
+            out = outputs
+        if w is None:
+            return self.unweighted(out, lab), outputs  # type: ignore[misc]
+        return self.loss_fn(out, lab, w), outputs
 
 
 def _outputs_only(ex: Executor, training: bool) -> tuple[None, Any]:

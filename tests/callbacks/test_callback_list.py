@@ -70,6 +70,24 @@ def test_callback_list_skips_hooks_nobody_overrides_and_keeps_order():
     assert cbs.history.history == {"loss": [1.0]}
 
 
+def test_a_hooks_list_stays_current_when_a_callback_is_added():
+    """A batch loop holds ``hook(name)`` for the call and tests it before each batch: a
+    callback added on the way (``append``) is called from the next batch on."""
+    seen: list = []
+
+    class BatchEnd(Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    cbs = CallbackList([OnlyEpochEnd(seen)])
+    ends = cbs.hook("on_train_batch_end")
+    assert ends == []
+    cbs.append(BatchEnd())
+    assert ends is cbs.hook("on_train_batch_end") and len(ends) == 1
+    cbs.call("on_train_batch_end", 3, {})
+    assert seen == [3]
+
+
 def test_callback_list_order_with_mocks():
     manager = MagicMock()
     first, second = MagicMock(spec=Callback), MagicMock(spec=Callback)

@@ -231,6 +231,39 @@ def test_labels_changed_in_place_are_counted_again():
         assert torch.equal(p, q)
 
 
+def test_one_replica_logs_the_counted_loss_again_after_labels_change_in_place():
+    """One CPU replica takes the batch's own tensors (no copy) and weighs its logged loss by
+    the targets it means over; labels found to ignore none are counted again once changed in
+    place (their version), so the logged loss stays the mean over the counted targets."""
+    mgr = DataParallelExecutorManager(net(), ["cpu"], loss=Objective("cross_entropy"))
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(24, 6, generator=g), torch.randint(0, 4, (24,), generator=g)
+    for changed in (False, True):
+        if changed:
+            y[:5] = -100  # ignored targets in the first batch
+        mgr.reset_loss()
+        expected_sum, expected_count = 0.0, 0
+        for i in (0, 12):
+            batch = DataBatch(x[i:i + 12], y[i:i + 12])  # views of y, as TensorSource's
+            mgr.run_batch(batch, True)
+            assert mgr.execgrp.executors[0].inputs is batch.data
+            kept = int((batch.label != -100).sum())
+            with torch.no_grad():
+                loss = nn.functional.cross_entropy(mgr.outputs()[0], batch.label)
+            expected_sum += float(loss) * kept
+            expected_count += kept
+        total, count = mgr.loss_state()
+        assert int(count) == expected_count == (19 if changed else 24)
+        assert float(total) == pytest.approx(expected_sum, rel=1e-6)
+    mgr.close()
+
+
+def test_a_source_batch_is_the_batch_the_constructor_makes():
+    x, y, w = torch.randn(3, 2), torch.zeros(3, dtype=torch.long), torch.ones(3)
+    made, fast = DataBatch(x, y, global_rows=6, sample_weight=w), DataBatch.of_rows(x, y, 6, w)
+    assert vars(fast) == vars(made) and list(vars(fast)) == list(vars(made))
+
+
 class WithUnused(nn.Module):
     def __init__(self) -> None:
         super().__init__()

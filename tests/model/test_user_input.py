@@ -117,6 +117,28 @@ def test_nan_or_inf_in_memory_data_is_refused_before_the_first_step(name, kwargs
     assert_unchanged(model, before)
 
 
+def test_data_found_finite_is_scanned_again_only_after_a_write(monkeypatch):
+    """Data passed to one fit after another (an epoch per call) is summed once while torch
+    sees no write to it; an in-place write makes the next call scan it again and refuse it."""
+    import fitdp.data.sources.convert as convert
+
+    sums = []
+    real = torch.isfinite
+    monkeypatch.setattr(convert.torch, "isfinite", lambda t: sums.append(t.numel()) or real(t))
+    model = make_model()
+    x = X.clone()
+    model.fit(x, Y, batch_size=5, verbose=0)
+    scanned = len(sums)
+    assert scanned == 1  # x (Y holds class indices: nothing to scan)
+    model.fit(x, Y, batch_size=5, verbose=0)
+    assert len(sums) == scanned
+    x[3, 2] = float("inf")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="x: got inf in row 3"):
+        model.fit(x, Y, batch_size=5, verbose=0)
+    assert_unchanged(model, before)
+
+
 def test_evaluate_scans_in_memory_data_and_a_dataloader_is_the_way_around_it():
     model = make_model()
     bad = with_bad(X, (4, 1), float("nan"))

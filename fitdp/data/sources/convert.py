@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,18 +68,45 @@ def check_rows(tree: Any, name: str, rows: int, first: str = "x") -> None:
                  f"pass {first} and {name} of the same length", described=True)
 
 
+# Tensors found finite, by id: (a weak reference, the version then). A tensor passed to
+# one call after another (an epoch per ``fit``, as in a tuning loop) is scanned once while
+# torch sees no write to it: a sum of 4M values is 0.6-1.9 ms, 30-90 us a step of a 20-step
+# fit (measured, MLP 784-512-512-10 on 5,120 rows).
+_FINITE: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+
+def _seen_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` was found finite and torch has seen no write to it since (an in-place
+    op bumps its version; a write through numpy memory or ``.data`` does not)."""
+    seen = _FINITE.get(id(t))
+    return seen is not None and seen[0]() is t and seen[1] == t._version
+
+
+def _remember_finite(t: torch.Tensor) -> None:
+    key = id(t)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:  # t is gone: its id may come again
+        if _FINITE.get(key, (None,))[0] is ref:
+            del _FINITE[key]
+
+    _FINITE[key] = (weakref.ref(t, forget), t._version)
+
+
 def check_finite(tree: Any, name: str) -> None:
     """Every float in ``tree`` is finite, else a ValueError naming the tensor and its first
     row holding a NaN or an infinity (one would turn every weight to NaN without a word).
 
-    One sum per tensor (a NaN or infinity makes the sum one, so a finite sum clears it): 36
-    ms per 10M float32 values on this project's 2-core CPU, against 330 ms for ``isfinite``.
+    One sum per tensor (a NaN or infinity makes the sum one, so a finite sum clears it), and
+    only once while torch sees no write to the tensor (``_FINITE``): 36 ms per 10M float32
+    values on this project's 2-core CPU, against 330 ms for ``isfinite``.
     Only a sum that is not finite (a bad value, or finite values that overflow it) pays for
     the search of the row, in chunks of about 16M values (``isfinite`` makes a bool copy).
     """
     for leaf_name, leaf in leaves_with_names(tree, name):
-        if not (leaf.is_floating_point() or leaf.is_complex()) or bool(
-                torch.isfinite(leaf.sum()).all()):
+        if not (leaf.is_floating_point() or leaf.is_complex()) or _seen_finite(leaf):
+            continue
+        if bool(torch.isfinite(leaf.sum()).all()):
+            _remember_finite(leaf)
             continue
         flat = leaf.reshape(1, 1) if leaf.dim() == 0 else leaf
         width = flat[:1].numel()  # values per row

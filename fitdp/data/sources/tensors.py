@@ -92,9 +92,8 @@ class TensorSource:
                 sl, rows = self._rows(self.position)
             self.position += 1
             # No per-batch index: predict never shuffles, so batch order is input order.
-            # (Positional arguments: data, label, bucket_key, pad, index, global_rows, weight.)
-            yield DataBatch(take(sl), take_y(sl), None, 0, None, rows,
-                            None if take_w is None else take_w(sl))
+            yield DataBatch.of_rows(take(sl), take_y(sl), rows,
+                                    None if take_w is None else take_w(sl))
 
     def _rows(self, step: int) -> tuple[slice, int]:
         """This rank's rows of global batch ``step`` (an even split, earlier ranks first), and
