@@ -119,6 +119,9 @@ class BatchStep:
         if mgr._speed_check is not None or mgr.balancer is not None:
             self._measured(group, job, stepping)  # several CPU replicas, or "auto" loads
             return
+        if stepping and update.shards > 1:  # type: ignore[union-attr]
+            group.dispatch(group.tasks, False, False)  # each device thread steps its shard
+            return
         group.dispatch(group.shares, self.on_caller, False)
         if stepping:
             update.finish_all()  # type: ignore[union-attr]
