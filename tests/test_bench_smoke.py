@@ -147,3 +147,16 @@ def test_instruction_rows_hold_fitdp_to_the_hand_loops_count():
     assert detail.rows[0][1:3] == ["1,200,000", "1,000,000"]
     with pytest.raises(ValueError, match="valgrind"):
         summary.instructions({"skipped": "valgrind not on PATH"})
+
+
+def test_bytecodes_bench_counts_fitdps_python_per_step(tmp_path: Path) -> None:
+    """Exact counts (no timing): fitdp's own Python per step of the tiny MLP stays where the
+    step path put it (1,182 bytecodes on Python 3.11; a quarter more fails), and the floor
+    loop runs none of fitdp's."""
+    out = tmp_path / "bytecodes.json"
+    proc = quick("bytecodes.py", "--json", str(out))
+    assert "fitdp's largest functions per step:" in proc.stdout
+    parts = json.loads(out.read_text())["parts"]
+    assert parts["hand"]["fitdp"] == 0
+    assert 0 < parts["fitdp"]["fitdp"] <= 1500
+    assert parts["fitdp"]["torch"] < parts["hand"]["torch"]  # no zero_grad() walk
