@@ -151,7 +151,7 @@ def test_instruction_rows_hold_fitdp_to_the_hand_loops_count():
 
 def test_bytecodes_bench_counts_fitdps_python_per_step(tmp_path: Path) -> None:
     """Exact counts (no timing): fitdp's own Python per step of the tiny MLP stays where the
-    step path put it (1,182 bytecodes on Python 3.11; a quarter more fails), and the floor
+    step path put it (1,156 bytecodes on Python 3.11; a quarter more fails), and the floor
     loop runs none of fitdp's."""
     out = tmp_path / "bytecodes.json"
     proc = quick("bytecodes.py", "--json", str(out))

@@ -226,6 +226,11 @@ def checked_rows(batch: DataBatch) -> tuple[int, int]:
     """The batch's rows and batch axis, after ``DataBatch.check_rows`` (a batch of one data
     tensor and one label tensor is checked here without walking its trees: every step)."""
     layout, data, label = batch.layout, batch.data, batch.label
+    if (layout is None and data.__class__ is torch.Tensor and label.__class__ is torch.Tensor
+            and batch.sample_weight is None and data.dim() and label.dim()):
+        rows = len(data)  # batch-first data and labels (every step of an in-memory fit)
+        if len(label) == rows:
+            return rows, 0
     axis = 0 if layout is None else batch_axis(layout)
     if data.__class__ is torch.Tensor and batch.sample_weight is None:
         shape = data.shape
