@@ -86,7 +86,7 @@ class BatchStep:
         self.on_caller = len(mgr.devices) == 1 and mgr.devices[0].type == "cpu"
 
     def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
-                 total_rows: int | None = None) -> None:
+                 total_rows: int | torch.Tensor | None = None) -> None:
         """Load, forward, backward (training), metrics and, with ``step``, the optimizer
         update of ``batch``; ``zero_grad``: zero the gradients first; ``total_rows``: the
         rows the mean loss is taken over (default: this batch's, summed over the ranks)."""
@@ -97,14 +97,11 @@ class BatchStep:
         job.set(batch, rows, axis, slices)
         job.is_train, job.compute, job.autocast = self.is_train, self.compute, self.autocast
         job.scale, job.metric = self.scale, self.metric
-        total: int | torch.Tensor
-        if total_rows is not None:
-            total = total_rows
-        elif self.global_rows is not None:
-            total = self.global_rows(rows - batch.pad)
-        else:
-            total = rows - batch.pad
-        weigh(job, total, self.counter, self.global_count)
+        if total_rows is None:
+            total_rows = rows - batch.pad
+            if self.global_rows is not None:
+                total_rows = self.global_rows(total_rows)
+        weigh(job, total_rows, self.counter, self.global_count)
         update = self.update
         stepping = False
         if update is not None:
