@@ -172,13 +172,8 @@ class Session:
             # Stepped inside the batch's hand-off, except on the call's first batch: its
             # outputs are checked before the first step. With several optimizers a custom
             # train_step steps them itself (``Model.optimizer_step``): fitdp takes none.
-            step = due and self.verified and not self.manual
-            if self.checked and self.mode is True and self.metrics is None:
-                # ``_one_batch``'s every-step case, without the call
-                self.train(batch, zero_grad=first, step=step,  # type: ignore[misc]
-                           total_rows=batch.global_rows)
-            else:
-                self._one_batch(self.train, batch, first, step)  # type: ignore[arg-type]
+            self._one_batch(self.train, batch, first,  # type: ignore[arg-type]
+                            due and self.verified and not self.manual)
             if not self.verified:
                 self._first_batch_checks(batch)
                 if due and not self.manual:

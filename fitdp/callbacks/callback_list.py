@@ -64,6 +64,7 @@ class CallbackList:
             self.callbacks.append(ProgressBar(verbose=verbose))
         self._model: Any = None
         self._params: dict[str, Any] | None = None
+        self._hooks: dict[str, list[Callable[..., Any]]] = {hook: [] for hook in HOOKS}
         self._rebuild()
         if model is not None:
             self.set_model(model)
@@ -72,12 +73,8 @@ class CallbackList:
 
     def _rebuild(self) -> None:
         """Precompute, per hook, the bound methods of the callbacks that override it."""
-        hooks = {hook: [getattr(cb, hook) for cb in self.callbacks if _overrides(cb, hook)]
-                 for hook in HOOKS}
-        if not hasattr(self, "_hooks"):
-            self._hooks: dict[str, list[Callable[..., Any]]] = hooks
-        for hook, fns in hooks.items():  # in place: a loop holding a list sees the change
-            self._hooks[hook][:] = fns
+        for hook, fns in self._hooks.items():  # in place: a loop holding a list sees it
+            fns[:] = [getattr(cb, hook) for cb in self.callbacks if _overrides(cb, hook)]
         self._sync = any(getattr(cb, "sync_every_batch", False) is True for cb in self.callbacks)
         # A duck-typed callback without the attribute is assumed to read its batch logs.
         self._needs_logs = any(

@@ -226,20 +226,13 @@ def checked_rows(batch: DataBatch) -> tuple[int, int]:
     """The batch's rows and batch axis, after ``DataBatch.check_rows`` (a batch of one data
     tensor and one label tensor is checked here without walking its trees: every step)."""
     layout, data, label = batch.layout, batch.data, batch.label
-    if (layout is None and data.__class__ is torch.Tensor and label.__class__ is torch.Tensor
-            and batch.sample_weight is None and data.dim() and label.dim()):
-        rows = len(data)  # batch-first data and labels (every step of an in-memory fit)
-        if len(label) == rows:
-            return rows, 0
     axis = 0 if layout is None else batch_axis(layout)
-    if data.__class__ is torch.Tensor and batch.sample_weight is None:
-        shape = data.shape
-        if len(shape) > axis:
-            if label is None:
-                return shape[axis], axis
-            if label.__class__ is torch.Tensor:
-                lshape = label.shape
-                if lshape and lshape[axis if len(lshape) > axis else 0] == shape[axis]:
-                    return shape[axis], axis
+    if data.__class__ is torch.Tensor and batch.sample_weight is None and data.dim() > axis:
+        rows = data.shape[axis]
+        if label is None:
+            return rows, axis
+        if label.__class__ is torch.Tensor and label.dim() and label.shape[
+                axis if label.dim() > axis else 0] == rows:
+            return rows, axis
     batch.check_rows()  # the message, or a batch of trees
     return batch.batch_size, axis

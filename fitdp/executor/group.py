@@ -159,9 +159,7 @@ class DataParallelExecutorGroup:
         a share reads no clock."""
         job = self.job
         is_train = job.is_train
-        for ex in self.executors:  # (``set_mode``, without the call: every batch)
-            if ex.module.training is not is_train:
-                ex.module.train(is_train)
+        self.set_mode(is_train)
         self.slices = job.slices
         job.timed = timed
         if is_train and self.stochastic is not False:

@@ -156,26 +156,19 @@ def device_share(job: Job, d: int) -> None:
     if timed:
         start = perf_counter()
         job.clock.begin(d)
-    update = job.update
-    if not job.in_turn:
+    waited = 0.0
+    try:
+        update = job.update
         if update is not None and update.zero:  # the first batch of an optimizer step
             update.zero_device(d)
         if job.load:
             load_share(job, d)
-        ex = job.executors[d]
-        ex.forward(job.is_train, job.compute, job.weights[d], job.autocast, job.counts[d])
-        waited = 0.0
-    else:
-        try:
-            if update is not None and update.zero:
-                update.zero_device(d)
-            if job.load:
-                load_share(job, d)
-            waited = forward_share(job, d)
-        finally:
+        waited = forward_share(job, d)
+    finally:
+        if job.in_turn:
             job.turn[d].set()  # a load that failed never leaves the next device waiting
     if job.is_train:
-        job.executors[d].backward(job.scale)
+        backward_share(job, d)
     if job.metric is not None:
         metric_share(job, d)
     if timed:
@@ -207,17 +200,7 @@ def weigh(job: Job, total_rows: int | torch.Tensor, counter: Count | None,
     """Each device's loss weight (and count) into ``job``: its valid rows over
     ``total_rows``, or its share of the counted targets (see ``count_targets``)."""
     executors, weights, counts, valid = job.executors, job.weights, job.counts, job.valid
-    if total_rows.__class__ is int:
-        denom_f = float(total_rows) if total_rows > 1 else 1.0
-        if len(weights) == 1:  # (every step on one device: without the loop)
-            weights[0] = valid[0] / denom_f
-            counts[0] = None
-            if counter is None:
-                return
-        else:
-            for d in range(len(weights)):
-                weights[d], counts[d] = valid[d] / denom_f, None
-    elif not isinstance(total_rows, torch.Tensor):
+    if not isinstance(total_rows, torch.Tensor):
         denom_f = float(max(total_rows, 1))
         for d in range(len(weights)):
             weights[d], counts[d] = valid[d] / denom_f, None

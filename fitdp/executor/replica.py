@@ -210,13 +210,7 @@ class Executor:
         if loss.__class__ is not torch.Tensor or loss.dim():
             check_loss(loss)  # a tensor subclass passes; anything else is the user's error
         if count is None:  # the logged loss weighs the slice by what it means over
-            clean, labels = self._clean, self.labels
-            if (clean is not None and labels.__class__ is torch.Tensor
-                    and labels._base is clean[0] and clean[0]._version == clean[1]
-                    and self.weights is None):
-                count = self.valid  # (``_logged_count``'s answer for these labels, again)
-            else:
-                count = self._logged_count(compute)
+            count = self._logged_count(compute)
         if self.host_losses:
             n = count if count.__class__ is int else float(count)
             self._host_sum += loss.item() * n
@@ -377,11 +371,7 @@ class ModuleLoss:
         self.unweighted = getattr(loss_fn, "unweighted", loss_fn)
 
     def __call__(self, ex: Executor, training: bool) -> tuple[torch.Tensor | None, Any]:
-        inputs = ex.inputs
-        if inputs.__class__ is torch.Tensor and not (ex.compiled or ex.inputs_need_grad):
-            outputs = ex.fn(inputs)  # (``module_outputs``'s common case, without the call)
-        else:
-            outputs = ex.module_outputs(training)
+        outputs = ex.module_outputs(training)
         lab = ex.labels
         if lab is None or ex.valid == 0 or self.loss_fn is None:
             return None, outputs
