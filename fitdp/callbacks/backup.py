@@ -25,8 +25,12 @@ class BackupAndRestore(Callback):
 
     With `double_checkpoint=True` the backup before the latest is kept as
     `backup_dir/backup.prev.ckpt`; when the latest is missing or damaged (its seal or a record
-    CRC does not match, see `saving.seal.verify`), `resume_path()` warns, sets the damaged file
-    aside as `backup.ckpt.damaged` and returns the previous one (Keras 3).
+    CRC does not match, see `saving.seal.verify`; for a sharded backup, any file of it is
+    missing or differs in size or CRC-32 from what its save recorded), `resume_path()` warns,
+    sets the damaged one aside as `backup.ckpt.damaged` and returns the previous one (Keras 3).
+    Under torchrun every rank checks every file itself (the same bytes, the same verdict; a
+    rank that looks after rank 0 set the damaged backup aside finds it gone), so all ranks
+    resume from the same backup.
 
     Args:
         backup_dir: folder of the backup (created when needed). Use one folder per run.
@@ -73,8 +77,8 @@ class BackupAndRestore(Callback):
     def resume_path(self) -> str | None:
         """The backup to resume from (an earlier `fit` did not finish), else None.
 
-        With `double_checkpoint`, the latest backup is verified first (one read of the file)
-        and the previous one is returned when the latest is missing or damaged.
+        With `double_checkpoint`, the latest backup is verified first (one read of each of
+        its files) and the previous one is returned when the latest is missing or damaged.
         """
         if not self.double_checkpoint:
             return self.path if is_checkpoint(self.path) else None

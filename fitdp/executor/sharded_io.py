@@ -1,19 +1,23 @@
 """Checkpoints of sharded models through ``torch.distributed.checkpoint`` (DCP): every rank
 writes its own shards, none gathers the whole model.
 
-A checkpoint is a folder: ``step-<n>/`` subfolders, each one DCP checkpoint, and a ``LATEST``
-file naming the newest complete one. ``LATEST`` is replaced (``os.replace``, atomic) only
-after DCP's metadata is written, which DCP does on the coordinator rank after every rank's
-shards are on disk, so a crash at any moment (SIGKILL included) leaves ``LATEST`` naming a
-whole checkpoint. Loading reshards: the same folder loads on another world size, and into
-one process (plain tensors).
+A checkpoint is a folder: ``step-<n>/`` subfolders (``n`` the global step), each one DCP
+checkpoint, and a ``LATEST`` file naming the newest complete one. ``LATEST`` is replaced
+(``os.replace``, atomic) only after DCP's metadata is written, which DCP does on the
+coordinator rank after every rank's shards are on disk, and after ``checksums.json`` (the
+size and CRC-32 of every file of the step, each rank summing the files it wrote) is, so a
+crash at any moment (SIGKILL included) leaves ``LATEST`` naming a whole checkpoint.
+``damaged_file`` checks a step against its checksums before anything reads it. Loading
+reshards: the same folder loads on another world size, and into one process (plain tensors).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -31,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 LATEST = "LATEST"
+SUMS = "checksums.json"  # {"files": {name: [size, CRC-32]}, "crc32": of the files' JSON}
+_CHUNK = 16 << 20  # CRC read size
 
 
 def sharded_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -61,14 +67,16 @@ def full_state(module: nn.Module) -> dict[str, Any]:
 def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
          async_save: bool = False, before: Callable[[Path], None] | None = None
          ) -> Future[None] | None:
-    """Write ``state`` as ``folder/step-<step>`` (every rank its shards), then point
-    ``LATEST`` at it. With ``async_save`` the shards are staged to CPU (before this returns)
-    and written by a thread (``dcp.async_save``); the returned future completes after
-    ``LATEST`` moved. ``before(target)`` runs on the coordinator once the target folder is
-    made, before any shard is written (what only rank 0 writes into the same checkpoint).
+    """Write ``state`` as ``folder/step-<step>`` (every rank its shards; ``step-<step>.1``
+    when ``LATEST`` names ``step-<step>`` already: a second save at one step never touches
+    the complete one), record every file's checksum, then point ``LATEST`` at it. With
+    ``async_save`` the shards are staged to CPU (before this returns) and written by a
+    thread (``dcp.async_save``); the returned future completes after ``LATEST`` moved.
+    ``before(target)`` runs on the coordinator once the target folder is made, before any
+    shard is written (what only rank 0 writes into the same checkpoint).
     """
     root = Path(folder)
-    target = root / f"step-{step}"
+    target = root / _folder_name(root, step)
     if _coordinator():
         root.mkdir(parents=True, exist_ok=True)
         if target.exists():  # a crashed attempt at the same step: never named by LATEST
@@ -83,6 +91,7 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.save(state, checkpoint_id=str(target), no_dist=not _grouped(),
                      process_group=group)
+        _record_sums(target)
         _publish(root, target.name)
         _barrier()  # no rank returns before LATEST names the new checkpoint
         return None
@@ -97,6 +106,7 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     def finish(fut: Any) -> None:
         try:
             fut.result()
+            _record_sums(target)
             _publish(root, target.name)
             _barrier()  # (on DCP's thread, still the group's only user)
             done.set_result(None)
@@ -107,14 +117,16 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     return done
 
 
-def next_step(folder: str | os.PathLike[str]) -> int:
-    """One past the step ``LATEST`` names in ``folder`` (1 for a new folder), as the
-    coordinator reads it: the same number on every rank (a broadcast)."""
-    found = latest(folder) if _coordinator() else None
-    number = [0 if found is None else int(found.removeprefix("step-")) + 1]
+def _folder_name(root: Path, step: int) -> str:
+    """``step-<step>``, or ``step-<step>.1`` when ``LATEST`` names that, as the coordinator
+    reads it: the same name on every rank (a broadcast)."""
+    name: list[str | None] = [None]
+    if _coordinator():
+        base = f"step-{step}"
+        name = [base + ".1" if latest(root) == base else base]
     if _grouped():
-        dist.broadcast_object_list(number, src=0, group=checkpoint_group())
-    return max(number[0], 1)
+        dist.broadcast_object_list(name, src=0, group=checkpoint_group())
+    return str(name[0])
 
 
 def latest(folder: str | os.PathLike[str]) -> str | None:
@@ -129,7 +141,8 @@ def load(folder: str | os.PathLike[str], state: dict[str, Any], *,
          each_rank: bool = False) -> int:
     """Fill ``state`` in place (its tensors' shapes and shardings say what each rank reads)
     from the checkpoint ``LATEST`` names; returns its step. ``each_rank``: every rank reads
-    the plain tensors of ``state`` whole on its own (no collective).
+    the plain tensors of ``state`` whole on its own (no collective). The files are not
+    checked here (a rank reads only its part): ``damaged_file`` checks them all.
 
     Raises:
         FileNotFoundError: no complete checkpoint in ``folder``.
@@ -144,7 +157,77 @@ def load(folder: str | os.PathLike[str], state: dict[str, Any], *,
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(root / name), no_dist=each_rank or not _grouped(),
                  process_group=checkpoint_group() if not each_rank else None)
-    return int(name.removeprefix("step-"))
+    return int(name.removeprefix("step-").split(".")[0])
+
+
+def _record_sums(target: Path) -> None:
+    """Every rank sums the shard files it wrote (``__<rank>_<n>.distcp``, DCP's names); the
+    coordinator sums the rest (DCP's ``.metadata``, rank 0's own files) and writes ``SUMS``
+    atomically, the last file of the step."""
+    rank = dist.get_rank(checkpoint_group()) if _grouped() else 0
+    sums = {p.name: file_sum(p) for p in sorted(target.glob(f"__{rank}_*"))}
+    if _grouped():
+        every: list[Any] = [None] * dist.get_world_size(checkpoint_group())
+        dist.gather_object(sums, every if _coordinator() else None, dst=0,
+                           group=checkpoint_group())
+        if _coordinator():
+            sums = {k: v for part in every for k, v in part.items()}
+    if not _coordinator():
+        return
+    for p in sorted(target.iterdir()):
+        if p.is_file() and p.name not in sums:
+            sums[p.name] = file_sum(p)
+    body = {"files": sums, "crc32": zlib.crc32(json.dumps(sums, sort_keys=True).encode())}
+    tmp = target / f".{SUMS}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(body, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target / SUMS)
+
+
+def file_sum(path: Path) -> list[int]:
+    """``[size, CRC-32]`` of the file at ``path`` (``zlib``: no torch setting involved)."""
+    crc, size = 0, 0
+    buf = memoryview(bytearray(_CHUNK))
+    with open(path, "rb", buffering=0) as f:
+        while got := f.readinto(buf):
+            crc, size = zlib.crc32(buf[:got], crc), size + got
+    return [size, crc]
+
+
+def damaged_file(step: str | os.PathLike[str]) -> str | None:
+    """What is wrong with the checkpoint folder ``step`` (``folder/step-<n>``), naming the
+    file: a missing, damaged or foreign ``SUMS``, or a file it lists that is missing, of
+    another size or another CRC-32. None when every file is as saved."""
+    sums_path = Path(step) / SUMS
+    try:
+        body = json.loads(sums_path.read_text())
+        files = body["files"]
+        sound = (isinstance(files, dict) and body["crc32"] == zlib.crc32(
+            json.dumps(files, sort_keys=True).encode()) and all(
+            os.path.basename(k) == k and k not in ("", ".", "..") and isinstance(v, list)
+            and len(v) == 2 and all(isinstance(i, int) for i in v) for k, v in files.items()))
+    except FileNotFoundError:
+        return (f"{sums_path}: missing: a step folder without it is incomplete, damaged or "
+                f"not written by this fitdp")
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        return f"{sums_path}: damaged: {exc}"
+    if not sound:
+        return f"{sums_path}: damaged: its entries do not match its own CRC-32"
+    for name, (size, crc) in sorted(files.items()):
+        path = Path(step) / name
+        try:
+            found = path.stat().st_size
+            if found != size:
+                return f"{path}: {found} bytes where {size} were written (truncated or replaced)"
+            if file_sum(path)[1] != crc:
+                return f"{path}: corrupted: its CRC-32 does not match the one recorded at save"
+        except FileNotFoundError:
+            return f"{path}: missing ({SUMS} lists it, {size} bytes)"
+        except OSError as exc:
+            return f"{path}: unreadable: {exc}"
+    return None
 
 
 def _publish(root: Path, name: str) -> None:

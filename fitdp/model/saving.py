@@ -195,7 +195,8 @@ class ModelIO:
         """Every rank: its shards through DCP, rank 0 the rest; one save in flight."""
         self.wait_for_saves()  # checkpoints land in the order they were asked for
         state = snapshot(self._checkpoint_objects(path, shards=self._shards()))
-        self._sharded_save = save_sharded(path, state, async_save=async_save)
+        self._sharded_save = save_sharded(path, state, step=self.run.global_step,
+                                          async_save=async_save)
 
     def _stepped_tensors(self) -> list[torch.Tensor]:
         """The parameters and optimizer state: only an optimizer step or a load (each behind

@@ -2,17 +2,20 @@
 shards of the weights and optimizer state through ``torch.distributed.checkpoint`` and rank 0
 alone writes the rest (run position, callbacks, RNG, schedules) as an ordinary fitdp file.
 
-Layout (``fitdp.executor.sharded_io``)::
+Layout (``fitdp.executor.sharded_io``), ``<n>`` the global step::
 
     path/LATEST                 names the newest complete step-<n> (replaced atomically)
     path/step-<n>/state.ckpt    rank 0's part: the checkpoint dict, each tensor of the
                                 weights and optimizer state replaced by a reference
-    path/step-<n>/.metadata     DCP's index of the shards, written last by rank 0
+    path/step-<n>/.metadata     DCP's index of the shards, written by rank 0
     path/step-<n>/__<r>_0.distcp  rank r's shards
+    path/step-<n>/checksums.json  size and CRC-32 of each file above, written last
 
-Loading reads the reference file and the shards as whole tensors (DCP reshards them to any
-layout), so the loaded dict is the one an unsharded checkpoint holds: it loads on any world
-size and into one process, through the same checks.
+Loading checks every file against ``checksums.json`` first (a ``CheckpointError`` naming
+the file, before anything is read into the model), then reads the reference file and the
+shards as whole tensors (DCP reshards them to any layout), so the loaded dict is the one an
+unsharded checkpoint holds: it loads on any world size and into one process, through the
+same checks.
 """
 
 from __future__ import annotations
@@ -83,20 +86,20 @@ def sharded_path(name: str, path: Any) -> str:
     return text
 
 
-def save_sharded(path: str, state: dict[str, Any], *, async_save: bool = False
+def save_sharded(path: str, state: dict[str, Any], *, step: int, async_save: bool = False
                  ) -> Future[None] | None:
-    """Write the checkpoint dict ``state`` as a sharded checkpoint (every rank calls it with
-    its own shards; rank 0's non-tensor state is the one kept). With ``async_save`` the shards
-    are copied to host memory before this returns and written by DCP's thread; the future
-    completes once ``LATEST`` names them."""
+    """Write the checkpoint dict ``state`` as ``path/step-<step>`` (``step``: the global
+    step), a sharded checkpoint (every rank calls it with its own shards; rank 0's non-tensor
+    state is the one kept). With ``async_save`` the shards are copied to host memory before
+    this returns and written by DCP's thread; the future completes once ``LATEST`` names
+    them."""
     rest, shards = _split(state)
     check_state(rest)  # refused before any folder is made
 
     def write_rest(target: Path) -> None:
         write_checkpoint(str(target / REST), rest, sharded=True)
 
-    return sharded_io.save(path, sharded_io.next_step(path), shards, async_save=async_save,
-                           before=write_rest)
+    return sharded_io.save(path, step, shards, async_save=async_save, before=write_rest)
 
 
 def load_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -104,12 +107,14 @@ def load_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
     calls it, with no collective).
 
     Raises:
-        CheckpointError: no complete checkpoint, or its rank-0 file is damaged.
+        CheckpointError: no complete checkpoint, or one of its files is missing or damaged
+            (the message names it; checked before any tensor is read).
     """
     name = sharded_io.latest(path)
     if name is None:
         raise CheckpointError(f"{os.fspath(path)}: not a sharded checkpoint (no "
                               f"{sharded_io.LATEST} file)")
+    _check_files(os.path.join(path, name))
     rest = load_checkpoint(os.path.join(path, name, REST))
     shards: dict[str, torch.Tensor] = {}
     _collect(rest, shards)
@@ -123,19 +128,25 @@ def read_state(path: str) -> dict[str, Any]:
 
 
 def verify_sharded(path: str | os.PathLike[str]) -> None:
-    """Check what can be checked without reading the shards: ``LATEST`` names a folder with
-    DCP's index and a sound rank-0 file.
+    """Check every file of the sharded checkpoint at ``path`` (one read of each: its size
+    and CRC-32 against ``checksums.json``, then rank 0's sealed file) without loading it.
 
     Raises:
-        FileNotFoundError: no sharded checkpoint there. CheckpointError: a damaged one.
+        FileNotFoundError: no sharded checkpoint there. CheckpointError: a damaged one (the
+            message names the file).
     """
     name = sharded_io.latest(path)
     if name is None:
         raise FileNotFoundError(f"{os.fspath(path)}: no sharded checkpoint")
     step = os.path.join(path, name)
-    if not os.path.isfile(os.path.join(step, ".metadata")):
-        raise CheckpointError(f"{step}: DCP's .metadata is missing")
+    _check_files(step)
     load_checkpoint(os.path.join(step, REST))
+
+
+def _check_files(step: str) -> None:
+    problem = sharded_io.damaged_file(step)
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 def remove_checkpoint(path: str) -> None:

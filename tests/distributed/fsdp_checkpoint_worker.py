@@ -4,7 +4,9 @@
 calls ``save``: sharded by default, each rank writes its shards; also with async_save=True
 and as one whole-tensor file, sharded=False) and keeps ModelCheckpoint files; new models
 resume from each; fits with BackupAndRestore (sync and async) are interrupted on every rank
-and run again, resuming from the backup. Rank 0 writes every run's final weights.
+and run again, resuming from the backup; with double_checkpoint and the latest backup's
+shard damaged, every rank resumes from the previous one. Rank 0 writes every run's final
+weights.
 
 3 ranks (``OUT reshard``): the 2-rank checkpoint loaded into 3 shards and saved again, then
 a fit resumed from that. 2 ranks (``OUT restart``, under ``--max-restarts 1``): rank 1
@@ -18,12 +20,15 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fitdp
 from fitdp.callbacks import BackupAndRestore, ModelCheckpoint
+from fitdp.saving.sharded import load_sharded
 
 OUT = sys.argv[1]
 RANK = int(os.environ["RANK"])
@@ -128,6 +133,34 @@ for name, is_async in (("backup", False), ("backup-async", True)):
     keep(f"{name}-resumed", again)
     if RANK == 0:
         print(f"{name} deleted after the fit: {not os.path.exists(folder)}", flush=True)
+# double_checkpoint, the latest backup (step 3) damaged in rank 1's shard file: every rank
+# warns and resumes from the previous backup (step 2).
+folder = os.path.join(OUT, "backup-damaged")
+options = {"save_freq": 1, "double_checkpoint": True}
+try:
+    model().fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
+                callbacks=[BackupAndRestore(folder, **options), CrashAtStep3()])
+except Crash:
+    pass
+if RANK == 0:  # inf over the last row of the first weight, where rank 1's shard holds it
+    latest = os.path.join(folder, "backup.ckpt")
+    last_row = load_sharded(latest)["module"]["0.weight"][-1].numpy().tobytes()
+    shard = os.path.join(latest, open(os.path.join(latest, "LATEST")).read(), "__1_0.distcp")
+    with open(shard, "rb") as f:
+        data = f.read()
+    at = data.index(last_row)
+    with open(shard, "wb") as f:
+        f.write(data[:at] + b"\x00\x00\x80\x7f" + data[at + 4:])
+dist.barrier()  # no rank looks at the backups before the damage is done
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    again = model()
+    again.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
+              callbacks=[BackupAndRestore(folder, **options)])
+warned = any("the latest backup is damaged" in str(w.message) for w in caught)
+print(f"rank {RANK} damaged backup: warned {warned}, resumed from step "
+      f"{again.history.params['resumed']['step']}", flush=True)
+keep("backup-damaged-resumed", again)
 if RANK == 0:  # rank 0 alone (the host is whole since fit's end)
     whole.export(os.path.join(OUT, "fsdp.pt2"), x[:4])
 print(f"rank {RANK} fsdp checkpoint done", flush=True)

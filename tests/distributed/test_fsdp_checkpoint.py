@@ -74,10 +74,12 @@ def test_an_fsdp_checkpoint_resumes_on_two_ranks_bitwise(fsdp_checkpoint):
     (sharded=False, the format every earlier fitdp wrote): a new 2-rank fit resumed from
     each ends bit for bit where the uninterrupted fit did."""
     out, _ = fsdp_checkpoint
-    step = out / "fsdp.ckpt" / "step-1"
-    assert (out / "fsdp.ckpt" / "LATEST").read_text() == "step-1"
+    # Named after the global step (was step-1: it counted saves): the first epoch's 40 rows
+    # are 4 global batches of 10 (5 a rank), 2 accumulated per optimizer step.
+    step = out / "fsdp.ckpt" / "step-2"
+    assert (out / "fsdp.ckpt" / "LATEST").read_text() == "step-2"
     assert sorted(p.name for p in step.iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "state.ckpt"]
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "state.ckpt"]
     rest = load_checkpoint(step / "state.ckpt")  # rank 0's part: references, no weights
     assert rest["module"]["0.weight"]["shape"] == [32, 6] and "run" in rest
     assert not any(isinstance(v, torch.Tensor) for v in rest["module"].values())
@@ -98,10 +100,23 @@ def test_backup_and_restore_with_fsdp_resumes_an_interrupted_fit_bitwise(fsdp_ch
     rotated = {"backup": "['backup.ckpt']", "backup-async": "['backup.ckpt', 'backup.prev.ckpt']"}
     for name, backups in rotated.items():
         # a new folder per backup with double_checkpoint (the previous one moved aside)
-        steps = "['LATEST', 'step-1']" if name == "backup-async" else "['LATEST', 'step-3']"
+        steps = "['LATEST', 'step-3']"  # the global step, in a new folder or the same
         assert f"{name} crashed; backups: {backups}, latest: {steps}" in output, output
         assert f"{name} deleted after the fit: True" in output, output
         assert_equal(weights(out, f"{name}-resumed"), weights(out, "uninterrupted"), name)
+
+
+@pytest.mark.distributed
+def test_a_damaged_sharded_backup_under_fsdp_falls_back_on_every_rank(fsdp_checkpoint):
+    """double_checkpoint under strategy='fsdp', the latest backup (step 3) with inf written
+    over a weight in rank 1's shard file: every rank warns and resumes from the previous
+    backup (step 2), ending bit for bit where the uninterrupted fit did (was: resumed from
+    the damaged backup without a word; docs/callbacks.md promises the fallback)."""
+    out, output = fsdp_checkpoint
+    for rank in (0, 1):
+        assert f"rank {rank} damaged backup: warned True, resumed from step 2" in output, output
+    assert_equal(weights(out, "backup-damaged-resumed"), weights(out, "uninterrupted"),
+                 "backup-damaged")
 
 
 @pytest.mark.distributed
@@ -179,7 +194,7 @@ from fitdp.saving.sharded import save_sharded
 weight = torch.zeros(1024, 512)
 for step in range(1, 1000):
     weight.fill_(step)
-    save_sharded(sys.argv[1], {"module": {"weight": weight}, "run": {"step": step}})
+    save_sharded(sys.argv[1], {"module": {"weight": weight}, "run": {"step": step}}, step=step)
     print(step, flush=True)
 """
 
@@ -209,9 +224,10 @@ def test_a_damaged_sharded_backup_falls_back_to_the_previous_one(tmp_path):
     damaged is set aside and the previous one resumed from."""
     backup = BackupAndRestore(tmp_path / "b", double_checkpoint=True)
     for path, step in ((backup.previous_path, 1), (backup.path, 2)):
-        save_sharded(path, {"module": {"w": torch.full((3,), float(step))}, "run": {"s": step}})
+        save_sharded(path, {"module": {"w": torch.full((3,), float(step))}, "run": {"s": step}},
+                     step=step)
     assert backup.resume_path() == backup.path
-    rest = tmp_path / "b" / "backup.ckpt" / "step-1" / "state.ckpt"
+    rest = tmp_path / "b" / "backup.ckpt" / "step-2" / "state.ckpt"
     rest.write_bytes(rest.read_bytes()[:-20])  # truncated
     with pytest.warns(UserWarning, match="damaged"):
         assert backup.resume_path() == backup.previous_path
