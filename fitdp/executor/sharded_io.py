@@ -202,19 +202,12 @@ def damaged_file(step: str | os.PathLike[str]) -> str | None:
     another size or another CRC-32. None when every file is as saved."""
     sums_path = Path(step) / SUMS
     try:
-        body = json.loads(sums_path.read_text())
-        files = body["files"]
-        sound = (isinstance(files, dict) and body["crc32"] == zlib.crc32(
-            json.dumps(files, sort_keys=True).encode()) and all(
-            os.path.basename(k) == k and k not in ("", ".", "..") and isinstance(v, list)
-            and len(v) == 2 and all(isinstance(i, int) for i in v) for k, v in files.items()))
+        files = _listed(json.loads(sums_path.read_text()))
     except FileNotFoundError:
         return (f"{sums_path}: missing: a step folder without it is incomplete, damaged or "
                 f"not written by this fitdp")
-    except (OSError, ValueError, TypeError, KeyError) as exc:
+    except (OSError, ValueError) as exc:
         return f"{sums_path}: damaged: {exc}"
-    if not sound:
-        return f"{sums_path}: damaged: its entries do not match its own CRC-32"
     for name, (size, crc) in sorted(files.items()):
         path = Path(step) / name
         try:
@@ -228,6 +221,25 @@ def damaged_file(step: str | os.PathLike[str]) -> str | None:
         except OSError as exc:
             return f"{path}: unreadable: {exc}"
     return None
+
+
+def _listed(body: Any) -> dict[str, list[int]]:
+    """The ``{name: [size, CRC-32]}`` of a parsed ``SUMS`` file.
+
+    Raises:
+        ValueError: not what ``_record_sums`` writes (a name with a path in it included), or
+            entries that do not match its own CRC-32.
+    """
+    files = body.get("files") if isinstance(body, dict) else None
+    if not isinstance(files, dict) or body.get("crc32") != zlib.crc32(
+            json.dumps(files, sort_keys=True).encode()):
+        raise ValueError("its entries do not match its own CRC-32")
+    for name, entry in files.items():
+        if os.path.basename(name) != name or name in ("", ".", "..") or not (
+                isinstance(entry, list) and len(entry) == 2
+                and all(type(i) is int for i in entry)):
+            raise ValueError(f"entry {name!r}: {entry!r} is not a file name and [size, CRC-32]")
+    return files
 
 
 def _publish(root: Path, name: str) -> None:
