@@ -6,7 +6,7 @@ import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from fitdp.callbacks.weight_averaging import WeightAveraging
-from fitdp.checks import check_number
+from fitdp.checks import check_int, check_number
 
 
 class EMA(WeightAveraging):
@@ -15,7 +15,9 @@ class EMA(WeightAveraging):
     after every optimizer step, ``average = decay * average + (1 - decay) * weights``, as
     ``AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))`` does with
     ``update_parameters(model)`` after each ``optimizer.step()`` (its first update copies the
-    weights). With ``grad_accum_steps`` it averages once per optimizer step.
+    weights). With ``grad_accum_steps`` it averages once per optimizer step; with
+    ``update_every_n_steps=N`` after every N-th (``model.global_step`` a multiple of N), as
+    Lightning's ``EMAWeightAveraging(update_every_n_steps=N)``: 1/N of the cost.
 
     The average lives on the device the optimizer steps (never copied to the host while
     training) and in every checkpoint (a resumed fit continues it bit for bit). When ``fit``
@@ -26,11 +28,13 @@ class EMA(WeightAveraging):
     are not averaged: the model's own are used.
 
     Args:
-        decay: weight of the old average at each step, in [0, 1] (0.999: an average over
-            about the last 1,000 steps).
+        decay: weight of the old average at each update, in [0, 1] (0.999: an average over
+            about the last 1,000 updates).
+        update_every_n_steps: optimizer steps between updates (1: every step).
 
     Raises:
-        TypeError: ``decay`` is not a number. ValueError: it is outside [0, 1].
+        TypeError: ``decay`` is not a number, ``update_every_n_steps`` not an int.
+            ValueError: ``decay`` is outside [0, 1], ``update_every_n_steps`` below 1.
 
     Example:
         >>> ema = EMA(decay=0.99)
@@ -38,10 +42,12 @@ class EMA(WeightAveraging):
         0.99
     """
 
-    def __init__(self, decay: float = 0.999) -> None:
+    def __init__(self, decay: float = 0.999, update_every_n_steps: int = 1) -> None:
         super().__init__()
         self.decay = check_number("EMA(decay=...)", decay, low=0, high=1,
                                   fix="pass a number such as decay=0.999")
+        self.update_every_n_steps = check_int("EMA(update_every_n_steps=...)",
+                                              update_every_n_steps, 1)
 
     def _average_into(self, averaged: list[torch.Tensor], current: list[torch.Tensor],
                       count: torch.Tensor) -> None:
@@ -62,7 +68,7 @@ class EMA(WeightAveraging):
         self._swap_in()
 
     def _catch_up(self) -> None:
-        if self._stepped():
+        if self._stepped() and self._last_step % self.update_every_n_steps == 0:
             self._update()
 
     def averaged_parameters(self) -> dict[str, torch.Tensor]:

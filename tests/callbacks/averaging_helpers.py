@@ -31,22 +31,24 @@ def model(module: nn.Module, optimizer: str = "sgd") -> fitdp.Model:
     return m
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """fit(shuffle=False)'s batches, in order."""
-    return [(X[i:i + BATCH], Y[i:i + BATCH]) for i in range(0, len(X), BATCH)]
+def batches(device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """fit(shuffle=False)'s batches, in order, on ``device``."""
+    return [(X[i:i + BATCH].to(device), Y[i:i + BATCH].to(device))
+            for i in range(0, len(X), BATCH)]
 
 
 def hand_loop(module: nn.Module, epochs: int, averaged: AveragedModel,
               epoch_begin: Callable[[int, torch.optim.Optimizer], None] | None = None,
               epoch_end: Callable[[int], None] | None = None,
-              after_step: bool = True) -> torch.optim.Optimizer:
+              after_step: bool = True, device: str = "cpu") -> torch.optim.Optimizer:
     """torch's training loop: SGD on the batches in order, ``averaged.update_parameters``
-    after each ``optimizer.step()`` (``after_step``), the hooks around each epoch."""
+    after each ``optimizer.step()`` (``after_step``), the hooks around each epoch; the
+    module and ``averaged`` on ``device``."""
     opt = torch.optim.SGD(module.parameters(), lr=LR)
     for epoch in range(epochs):
         if epoch_begin is not None:
             epoch_begin(epoch, opt)
-        for x, y in batches():
+        for x, y in batches(device):
             opt.zero_grad()
             nn.functional.cross_entropy(module(x), y).backward()
             opt.step()
@@ -60,10 +62,11 @@ def hand_loop(module: nn.Module, epochs: int, averaged: AveragedModel,
 def assert_params(got: dict[str, torch.Tensor], averaged: AveragedModel, exact: bool) -> None:
     """The averaged parameters of ``averaged`` in ``got``: bit for bit, or within 1e-6."""
     for name, want in averaged.module.named_parameters():
+        want = want.detach().cpu()
         if exact:
             assert torch.equal(got[name], want), name
         else:
-            torch.testing.assert_close(got[name], want.detach(), rtol=0, atol=1e-6)
+            torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6)
 
 
 class Backup(BackupAndRestore):

@@ -75,6 +75,28 @@ def test_ema_with_grad_accumulation_averages_once_per_optimizer_step():
     assert_params(m.get_weights(), averaged, exact=True)
 
 
+def test_ema_every_n_steps_equals_averaged_model_updated_every_n_steps():
+    """update_every_n_steps=3 (Lightning's EMAWeightAveraging): update_parameters after
+    optimizer steps 3, 6, 9, ... of the run (15 steps over 3 epochs: 5 updates)."""
+    module = net()
+    m = model(module)
+    m.fit(X, Y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+          callbacks=[EMA(decay=DECAY, update_every_n_steps=3)])
+    trained = copy.deepcopy(module)
+    averaged = AveragedModel(trained, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
+    opt, step = torch.optim.SGD(trained.parameters(), lr=0.1), 0
+    for _ in range(3):
+        for x, y in batches():
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(trained(x), y).backward()
+            opt.step()
+            step += 1
+            if step % 3 == 0:
+                averaged.update_parameters(trained)
+    assert int(averaged.n_averaged) == 5
+    assert_params(m.get_weights(), averaged, exact=True)
+
+
 @pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
 @pytest.mark.parametrize("backup_first", [True, False])
 @pytest.mark.parametrize("crash_at", [5, 7])  # the last step of epoch 0; mid-epoch 1
@@ -125,6 +147,12 @@ def test_bad_decay_names_it(decay, error):
     with pytest.raises(error, match=r"EMA\(decay=\.\.\.\): got .*expected a finite number "
                                     r">= 0 and <= 1"):
         EMA(decay=decay)
+
+
+@pytest.mark.parametrize("every, error", [(0, ValueError), (1.5, TypeError), ("2", TypeError)])
+def test_bad_update_every_n_steps_names_it(every, error):
+    with pytest.raises(error, match=r"EMA\(update_every_n_steps=\.\.\.\): got "):
+        EMA(update_every_n_steps=every)
 
 
 def test_two_averaging_callbacks_are_refused_before_training():
