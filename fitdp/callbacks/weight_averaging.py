@@ -18,7 +18,7 @@ class WeightAveraging(Callback):
     to the host during training.
 
     Like ``AveragedModel(model, use_buffers=False)``, the first update copies the parameters
-    and later ones call ``_average(averaged, current, n_averaged)``, one call per dtype, with
+    and later ones call ``_average_into(averaged, current, n_averaged)``, one call per dtype, with
     ``n_averaged`` a tensor on the average's device (no host sync per step); buffers
     (BatchNorm statistics) are not averaged: the model's own are used with the average.
 
@@ -60,7 +60,8 @@ class WeightAveraging(Callback):
                 "'auto') to average the weights, or drop the callback.")
         named = model.device_parameters()
         self._names = list(named)
-        self._current = [p.detach() for p in named.values()]
+        # The parameters themselves, not aliases of their storage: a load may re-point them.
+        self._current = list(named.values())
         # Not filled: the first update copies (AveragedModel's n_averaged == 0 case).
         self._average = [torch.empty_like(p) for p in self._current]
         device = self._current[0].device if self._current else torch.device("cpu")
@@ -103,15 +104,17 @@ class WeightAveraging(Callback):
 
     def _swap_in(self) -> None:
         """Make the average the model's parameters (every replica's and the host's), keeping
-        host copies of the training weights in ``training_weights``."""
+        host copies of the training weights in ``training_weights``. The average moves to
+        the host: the replicas (and their device memory) may go once fit has ended."""
         self._live = False
-        if not self._n:
-            return  # nothing was averaged: the training weights stay
-        weights = self.model.get_weights()
-        self.training_weights = weights
-        averaged = dict(weights)
-        averaged.update(zip(self._names, self._average))
-        self.model.set_weights(averaged)
+        self._current = []
+        if self._n:  # (else nothing was averaged: the training weights stay)
+            weights = self.model.get_weights()
+            self.training_weights = weights
+            averaged = dict(weights)
+            averaged.update(zip(self._names, self._average))
+            self.model.set_weights(averaged)
+        self._average = [t.cpu() for t in self._average]
 
     # -- checkpoints ----------------------------------------------------------------------
 
