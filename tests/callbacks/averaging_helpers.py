@@ -73,8 +73,8 @@ class Backup(BackupAndRestore):
     """``BackupAndRestore(save_freq=1)`` in a process that dies right after its backup of
     optimizer step ``crash_at`` (None: never)."""
 
-    def __init__(self, folder: str, crash_at: int | None = None) -> None:
-        super().__init__(folder, save_freq=1)
+    def __init__(self, folder: str, crash_at: int | None = None, **kw: bool) -> None:
+        super().__init__(folder, save_freq=1, **kw)
         self.crash_at = crash_at
 
     def on_train_batch_end(self, batch, logs=None):

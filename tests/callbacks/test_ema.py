@@ -122,6 +122,24 @@ def test_ema_resumes_bitwise_with_its_average(tmp_path, devices, backup_first, c
         assert torch.equal(resumed_ema.training_weights[k], whole_ema.training_weights[k]), k
 
 
+def test_ema_resumes_bitwise_from_an_async_backup(tmp_path):
+    """With async_save the backup's copy of the average is taken when the save is asked
+    for: the next steps' updates do not reach the file."""
+
+    def run(crash_at=None):
+        m, ema = model(net(), "adamw"), EMA(decay=DECAY)
+        m.fit(X, Y, batch_size=BATCH, epochs=3, seed=1, verbose=0,
+              callbacks=[Backup(str(tmp_path / "b"), crash_at, async_save=True), ema])
+        return m
+
+    whole = run()
+    with pytest.raises(KeyboardInterrupt):
+        run(crash_at=8)
+    resumed = run()
+    for k, v in whole.get_weights().items():
+        assert torch.equal(resumed.get_weights()[k], v), k
+
+
 def test_evaluate_predict_save_and_export_use_the_average(tmp_path):
     module = net()
     m = model(module)
