@@ -242,6 +242,11 @@ class Session:
         if not seen:
             for t, old in zip(first.values(), saved):
                 t.copy_(old)
+            warnings.warn("update_bn: the training data yielded no batch on a second pass (a "
+                          "one-shot iterator); the BatchNorm statistics stay the training "
+                          "run's. Fix: pass data that can be iterated again, or run "
+                          "torch.optim.swa_utils.update_bn(loader, model.module) after fit.",
+                          FitdpWarning, stacklevel=2)
         mgr.set_params({}, first)  # every replica takes device 0's statistics
         if plan.ranks.enabled:
             mgr.sync_buffers()  # averaged over the ranks, each of which saw its shard

@@ -13,6 +13,7 @@ from averaging_helpers import BATCH, Backup, X, Y, assert_params, batches, hand_
 from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 
 from fitdp.callbacks import SWA
+from fitdp.checks import FitdpWarning
 
 EPOCHS, START, SWA_LR, ANNEAL = 5, 2, 0.05, 2
 
@@ -144,3 +145,14 @@ def test_swa_lr_per_group_must_match_the_groups():
                                          r"expected one rate per parameter group \(1 "
                                          r"here\)"):
         m.fit(X, Y, callbacks=[SWA(swa_lr=[0.1, 0.2])], verbose=0)
+
+
+def test_swa_on_one_shot_data_keeps_the_training_statistics_and_warns():
+    """A generator cannot be read again for the BatchNorm pass: the statistics stay the
+    training run's (not reset to 0 and 1) and a warning says how to compute them."""
+    m = model(net(batchnorm=True))
+    one_shot = ((X[i:i + BATCH], Y[i:i + BATCH]) for i in range(0, len(X), BATCH))
+    with pytest.warns(FitdpWarning, match=r"update_bn: .*one-shot iterator.*update_bn\("):
+        m.fit(one_shot, callbacks=[SWA(swa_lr=SWA_LR, swa_epoch_start=0)], verbose=0)
+    stats = m.get_weights()["1.running_var"]
+    assert not torch.equal(stats, torch.ones_like(stats))
