@@ -14,7 +14,7 @@ import torch
 
 from fitdp.call.ranks import DEFAULT_TIMEOUT, Ranks
 from fitdp.call.replicas import Placement
-from fitdp.callbacks import Callback, CallbackList
+from fitdp.callbacks import Callback, CallbackList, WeightAveraging
 from fitdp.checks import FitdpWarning, check_choice, check_int, check_number, fail
 from fitdp.data.batch import DataBatch
 from fitdp.data.sources import DataSource, make_source
@@ -200,6 +200,11 @@ def _callbacks(model: Any, callbacks: Any, verbose: Any, **params: Any) -> Callb
             fail(f"callbacks[{i}]", what, "a fitdp.callbacks.Callback instance",
                  "pass an instance, e.g. EarlyStopping(), or wrap a function in "
                  "LambdaCallback", error=TypeError, described=True)
+    averaging = [type(cb).__name__ for cb in callbacks if isinstance(cb, WeightAveraging)]
+    if len(averaging) > 1:
+        fail("callbacks", f"{len(averaging)} weight-averaging callbacks ({', '.join(averaging)})",
+             "at most one EMA or SWA (each loads its average into the model when fit ends)",
+             "keep one of them", described=True)
     params.setdefault("resumed", None)
     return CallbackList(list(callbacks), model=model, add_history=True,
                         add_progbar=bool(level) and model.is_main_process, verbose=level,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from fitdp.call.batches import PREDICT, TEST, TRAIN, assemble, run_batches
 from fitdp.call.first_batch import check_outputs, raised_in_fitdp
@@ -25,12 +26,13 @@ from fitdp.callbacks import CallbackList
 from fitdp.checks import FitdpWarning
 from fitdp.compiled.losses import explain_failure
 from fitdp.compiled.setup import Compiled
-from fitdp.data.batch import DataBatch, take_rows, tree_cat, tree_map
+from fitdp.data.batch import DataBatch, batch_length, take_rows, tree_cat, tree_map
 from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.bound_step import BatchStep
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.monitor import Monitor
+from fitdp.executor.replica import call_module
 from fitdp.saving.entries import Entry, EpochLogs
 
 
@@ -202,6 +204,52 @@ class Session:
             logs["lr"] = lr
         self.trainer.step_scheduler("epoch")
         self.run.epoch_done = True
+
+    @torch.no_grad()
+    def update_bn(self) -> None:
+        """``torch.optim.swa_utils.update_bn`` for the current weights: BatchNorm statistics
+        reset, then one pass over the training data in training mode with cumulative
+        averages (``momentum=None``). The whole batches run on device 0's replica, so the
+        statistics are the one-device ones whatever the device count; the other replicas
+        (and, averaged, the other ranks) then take them. Data the pass cannot read again (a
+        one-shot iterator) leaves the statistics as they were."""
+        plan, mgr = self.plan, self.mgr
+        assert isinstance(plan, FitPlan)  # noqa: S101 - fit's own
+        module = self.replicas.modules()[0]
+        norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if not norms:
+            return
+        saved = [t.clone() for block in mgr.aux_arrays for t in block[:1]]
+        modes = [(m, m.training) for m in module.modules()]
+        momenta = [m.momentum for m in norms]
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None
+        module.train()
+        device = self.replicas.placement.devices[0]
+        plan.source.set_epoch(self.run.data_epoch)
+        seen = 0
+        for batch in itertools.islice(plan.source, plan.steps):
+            rows = batch_length(batch.data, batch.axis) - batch.pad
+            data = take_rows(batch.data, slice(0, rows), batch.axis) if batch.pad else batch.data
+            call_module(module, tree_map(lambda t: t.to(device, non_blocking=True), data))
+            seen += 1
+        for norm, momentum in zip(norms, momenta):
+            norm.momentum = momentum
+        for sub, training in modes:
+            sub.training = training
+        first = {name: block[0] for name, block in zip(mgr.aux_names, mgr.aux_arrays)}
+        if not seen:
+            for t, old in zip(first.values(), saved):
+                t.copy_(old)
+            warnings.warn("update_bn: the training data yielded no batch on a second pass (a "
+                          "one-shot iterator); the BatchNorm statistics stay the training "
+                          "run's. Fix: pass data that can be iterated again, or run "
+                          "torch.optim.swa_utils.update_bn(loader, model.module) after fit.",
+                          FitdpWarning, stacklevel=2)
+        mgr.set_params({}, first)  # every replica takes device 0's statistics
+        if plan.ranks.enabled:
+            mgr.sync_buffers()  # averaged over the ranks, each of which saw its shard
 
     # -- evaluate and predict -----------------------------------------------------------
 

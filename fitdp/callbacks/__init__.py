@@ -11,16 +11,20 @@ from fitdp.callbacks.base import HOOKS, Callback
 from fitdp.callbacks.callback_list import CallbackList, state_keys
 from fitdp.callbacks.csv_logger import CSVLogger
 from fitdp.callbacks.early_stopping import EarlyStopping
+from fitdp.callbacks.ema import EMA
 from fitdp.callbacks.history import History
 from fitdp.callbacks.lambda_callback import LambdaCallback
 from fitdp.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
 from fitdp.callbacks.model_checkpoint import ModelCheckpoint
 from fitdp.callbacks.nan import TerminateOnNaN
 from fitdp.callbacks.progress import ProgressBar, Speedometer
+from fitdp.callbacks.swa import SWA
 from fitdp.callbacks.tensorboard import TensorBoard
+from fitdp.callbacks.weight_averaging import WeightAveraging
 
 __all__ = [
-    "HOOKS", "BackupAndRestore", "CSVLogger", "Callback", "CallbackList", "EarlyStopping",
-    "History", "LambdaCallback", "LearningRateScheduler", "ModelCheckpoint", "ProgressBar",
-    "ReduceLROnPlateau", "Speedometer", "TensorBoard", "TerminateOnNaN", "state_keys",
+    "EMA", "HOOKS", "SWA", "BackupAndRestore", "CSVLogger", "Callback", "CallbackList",
+    "EarlyStopping", "History", "LambdaCallback", "LearningRateScheduler", "ModelCheckpoint",
+    "ProgressBar", "ReduceLROnPlateau", "Speedometer", "TensorBoard", "TerminateOnNaN",
+    "WeightAveraging", "state_keys",
 ]

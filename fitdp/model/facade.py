@@ -14,12 +14,12 @@ from torch import nn
 
 from fitdp.call.custom_step import CustomStep
 from fitdp.call.modes import Modes
-from fitdp.call.plan import CallPlan, legacy_data, plan_call, plan_fit
+from fitdp.call.plan import CallPlan, FitPlan, legacy_data, plan_call, plan_fit
 from fitdp.call.ranks import DEFAULT_TIMEOUT
 from fitdp.call.replicas import Placement, Replicas
 from fitdp.call.run_state import RunState
 from fitdp.call.session import Session
-from fitdp.callbacks import Callback, History
+from fitdp.callbacks import Callback, History, WeightAveraging
 from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.metrics import MetricsArg
 from fitdp.compiled.optimizers import OptimizerArg
@@ -186,6 +186,7 @@ class Model(KerasSteps, ModelIO, ModelExtras):
             resume=resume, log_every=log_every, timeout=timeout)
         run, cbs = self.run, plan.callbacks
         self._trained_on = plan.source.plan()  # export's batch and sequence axes
+        self._averaging = next((cb for cb in cbs if isinstance(cb, WeightAveraging)), None)
         with self._call(plan, trainer) as session:
             run.begin_fit(initial_epoch)
             session.start_fit()
@@ -247,6 +248,21 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         with self._call(plan, self._trainer) as session:
             return session.predict_pass(plan.source, plan.callbacks, plan.steps,
                                         pad_value=pad_value, ragged=ragged)
+
+    def update_bn(self) -> None:
+        """From a callback during ``fit``: BatchNorm running statistics of the current weights
+        over the fit's training data, as ``torch.optim.swa_utils.update_bn`` computes them
+        (``SWA`` calls it when fit ends). The whole batches run on one device.
+
+        Raises:
+            RuntimeError: called outside ``fit``.
+        """
+        session = self._session
+        if session is None or not isinstance(session.plan, FitPlan):
+            raise RuntimeError("update_bn: called outside fit (it reads the fit's training "
+                               "data). Fix: call it from a callback's on_train_end, or use "
+                               "torch.optim.swa_utils.update_bn(loader, model.module).")
+        session.update_bn()
 
     # -- one call's lifecycle -------------------------------------------------------------------
 

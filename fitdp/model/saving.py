@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from fitdp.call.replicas import Replicas
     from fitdp.call.run_state import RunState
     from fitdp.call.session import Session
+    from fitdp.callbacks.weight_averaging import WeightAveraging
     from fitdp.compiled.setup import Compiled
 
 
@@ -90,6 +91,7 @@ class ModelIO:
     _session: Session | None
     _writer: AsyncCheckpointWriter | None
     _sharded_save: Future[None] | None = None  # an async sharded save in flight
+    _averaging: WeightAveraging | None = None  # the latest fit's EMA or SWA
     # What the last fit trained on (its source's plan: layout, buckets), for export's axes.
     _trained_on: SourcePlan | None = None
 
@@ -281,6 +283,34 @@ class ModelIO:
         entry.load_state_dict(weights)
         warn_skipped(entry.skipped, "set_weights")
         return entry.skipped
+
+    def ema_weights(self) -> dict[str, torch.Tensor]:
+        """Host copies of the averaged weights of the latest fit's ``EMA`` or ``SWA``
+        callback: its averaged parameters (up to the last optimizer step) with the model's
+        buffers. After that fit they are the model's weights too (fit ends by loading them;
+        the training weights are the callback's ``training_weights``); before its first
+        update, the model's weights.
+
+        Raises:
+            RuntimeError: the latest fit had no ``EMA`` or ``SWA`` callback.
+        """
+        averaging = self._averaging
+        if averaging is None:
+            raise RuntimeError("ema_weights: the latest fit of this model had no EMA or SWA "
+                               "callback to average its weights. Fix: fit(..., callbacks=["
+                               "fitdp.callbacks.EMA(decay=0.999)]) first.")
+        weights = self.get_weights()
+        weights.update(averaging.averaged_parameters())
+        return weights
+
+    def device_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters the optimizer steps, by name: the tensors themselves, not copies
+        (read them; write through ``set_weights``). During a call, device 0's replica's, on
+        its device (every replica equals it after an optimizer step); else the host
+        module's. ``EMA`` and ``SWA`` average these where they are."""
+        if self._replicas is None:
+            return dict(self.module.named_parameters())
+        return dict(self._replicas.manager.named_master_parameters())
 
     def save_weights(self, path: str | os.PathLike[str]) -> None:
         """Write the device-averaged weights alone (Keras's ``save_weights``): a

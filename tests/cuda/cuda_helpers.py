@@ -11,7 +11,7 @@ import torch
 
 TESTS = Path(__file__).resolve().parents[1]
 # Appended, never prepended: bench/ holds scripts named like common modules (run, report).
-for folder in (TESTS / "model", TESTS / "executor", TESTS.parent / "bench"):
+for folder in (TESTS / "model", TESTS / "executor", TESTS / "callbacks", TESTS.parent / "bench"):
     if str(folder) not in sys.path:
         sys.path.append(str(folder))
 
