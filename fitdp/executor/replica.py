@@ -18,7 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.data.batch import axis_of, batch_length, take_rows, tree_leaves, tree_map, tree_names
+from fitdp.data.batch import (
+    Axes,
+    axis_of,
+    batch_length,
+    output_axes,
+    take_rows,
+    tree_leaves,
+    tree_map,
+    tree_names,
+)
 from fitdp.executor.checks import check_loss
 from fitdp.executor.compile_config import (
     COMPILE_LOCK,
@@ -311,6 +320,17 @@ class Executor:
         """The rows of ``tree`` that are not padding."""
         return take_rows(tree, slice(0, self.valid), self.axis)
 
+    def output_axes(self, outputs: Any) -> Axes:
+        """Each output's batch axis: the layout's, or 0 for an output of time-major data that
+        is batch-first already (``fitdp.data.batch.output_axes``)."""
+        return self.axis if self.axis == 0 else output_axes(outputs, self.axis, self.rows,
+                                                            self.inputs)
+
+    def valid_outputs(self, outputs: Any) -> Any:
+        """The rows of the module's ``outputs`` that are not padding, each on its own batch
+        axis."""
+        return take_rows(outputs, slice(0, self.valid), self.output_axes(outputs))
+
     def fold_losses(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of per-row losses, rows) so far, as device tensors (no host sync); folds the
         batches' losses kept since the last call into the running sums (one op per log
@@ -377,7 +397,7 @@ class ModuleLoss:
             return None, outputs
         w = ex.weights
         if ex.valid < ex.rows:
-            out, lab = ex.valid_rows(outputs), ex.valid_rows(lab)
+            out, lab = ex.valid_outputs(outputs), ex.valid_rows(lab)
             w = None if w is None else w[: ex.valid]
         else:
             out = outputs
