@@ -85,6 +85,16 @@ def test_split_input_slice_names_bad_arguments(args, error, pattern):
         split_input_slice(*args)
 
 
+def test_split_input_slice_with_huge_work_loads_splits_or_names_them():
+    """Issue 28 item 11: a load of 1e300 times a large batch overflowed to inf and raised
+    Python's OverflowError; an int too large for a float did the same. Only the loads'
+    ratios count: equal huge loads split as equal small ones, a 401-digit int is named."""
+    assert split_input_slice(10**9, [1e300, 1e300]) == split_input_slice(10**9, [1, 1])
+    assert split_input_slice(12, [3e300, 1e300]) == [slice(0, 9), slice(9, 12)]
+    with pytest.raises(ValueError, match=r"work_load_list: got an int of 401 digits;.*Fix: "
+                       r"scale them down"):
+        split_input_slice(10, [10**400, 1])
+
 def test_reserved_time_major_layout_splits_on_the_batch_axis():
     """Regression: after reserve([DataDesc(layout="TNC")]) a (3, 8, 7) batch went to two CPU
     devices as (2, 8, 7) and (1, 8, 7). MXNet's test_module_layout (apache/mxnet,
