@@ -87,6 +87,7 @@ class DataParallelExecutorManager(StepMixin):
         engine: DDP | FSDP | None = None,
     ) -> None:
         checks.check_module(module)
+        checks.check_bucket_module(bucket_module)
         self.devices = resolve_devices(devices)
         self.layout: str | None = None  # the reserved inputs' layout (see ``reserve``)
         check_compile(compile, self.devices)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitdp.checks import first_line, reworded
 from fitdp.data.batch import (
     Axes,
     axis_of,
@@ -139,9 +140,21 @@ class Executor:
             if self.warn_on_grow and buf is not None and buf.dtype == src.dtype:
                 # The group logs the seed's warning once for all its devices (``grown``).
                 self.grown.append((name, tuple(src.shape), shape))
-            buf = torch.empty(numel, dtype=src.dtype, device=self.device)
+            buf = self._allocate(name, src)
             self.shared_buffers[name] = (buf, tuple(src.shape))
         return buf[:numel].view(src.shape)
+
+    def _allocate(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        """A new flat buffer for ``src``; a size the device cannot hold is named (the
+        allocator's own error says only the bytes)."""
+        try:
+            return torch.empty(src.numel(), dtype=src.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as err:
+            size = src.numel() * src.element_size()
+            raise reworded(err, f"input {name!r}: a buffer of shape {tuple(src.shape)} "
+                           f"{src.dtype} ({size / 1e9:,.1f} GB) cannot be allocated on "
+                           f"{self.device} ({first_line(err)}). Fix: a smaller batch_size "
+                           f"or bucket (the shape given to reserve or loaded).") from err
 
     def reserve(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Allocate the input buffer ``name`` for ``shape`` up front (the largest bucket)."""
@@ -305,8 +318,13 @@ class Executor:
         return [None if t.grad is None else self.valid_rows(t.grad) for t in leaves]
 
     def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Backpropagate this replica's weighted loss (gradients accumulate into its buffers)."""
-        if self.loss is None:
+        """Backpropagate this replica's weighted loss (gradients accumulate into its buffers).
+        A module without trainable parameters makes it a no-op, as in MXNet
+        (``test_module_update_no_param``); a loss cut from the graph of a module that has
+        them still raises torch's error (it would train nothing)."""
+        if self.loss is None or not self.loss.requires_grad and not any(
+                p.requires_grad for p in self.module.parameters()):
+            self.loss = None
             return
         (self.loss if scale is None else scale(self.loss)).backward()
         self.loss = None

@@ -25,6 +25,7 @@ from fitdp.compiled.metrics import MetricsArg
 from fitdp.compiled.optimizers import OptimizerArg
 from fitdp.compiled.setup import CompileConfig, Compiled
 from fitdp.data.sequence import PAD_VALUE, check_pad_args
+from fitdp.executor.checks import check_bucket_module
 from fitdp.executor.devices import DevicesArg
 from fitdp.executor.engines import Strategy
 from fitdp.executor.interrupts import GUARD
@@ -63,9 +64,7 @@ class Model(KerasSteps, ModelIO, ModelExtras):
     ) -> None:
         if not isinstance(module, nn.Module):
             fail("module", module, "a torch.nn.Module", error=TypeError)
-        if bucket_module is not None and not callable(bucket_module):
-            fail("bucket_module", bucket_module, "a callable(bucket_key) -> nn.Module",
-                 error=TypeError)
+        check_bucket_module(bucket_module)
         self.module = module
         self.bucket_module = bucket_module
         self.run = RunState()
