@@ -199,10 +199,21 @@ def check_path(name: str, path: Any, *, must_exist: bool = False) -> str:
         return text
     except OSError:
         return text  # unreadable metadata: let the open itself report it
+    # The whole path in the message: a cut one would lose the file name, what matters most.
     if stat.S_ISDIR(mode):
-        fail(name, text, "a file, not a folder", "name a file inside it, e.g. "
-             f"{os.path.join(text, 'model.ckpt')!r}")
+        fail(name, f"{text!r}, a folder", "a file, not a folder", "name a file inside it, "
+             f"e.g. {os.path.join(text, 'model.ckpt')!r}", described=True)
     if not stat.S_ISREG(mode):
-        fail(name, text, "a regular file, not a FIFO, socket or device",
-             "pass the path of a regular file")
+        fail(name, f"{text!r}, {_special_kind(mode)}",
+             "a regular file, not a FIFO, socket or device", "pass the path of a regular file",
+             described=True)
     return text
+
+
+def _special_kind(mode: int) -> str:
+    """What a special file is, in words."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"

@@ -128,3 +128,11 @@ def test_readme_example_runs_where_replicas_pay(tmp_path: Path,
     with warnings.catch_warnings():
         warnings.simplefilter("error", FitdpWarning)
         exec(compile(page_script(readme), str(readme), "exec"), {"__name__": "docs.README"})
+
+
+def test_lightning_table_does_not_offer_the_removed_dp_strategy() -> None:
+    """docs/keras-lightning.md mapped Lightning's strategy="dp" onto replicas as if it were
+    current; Lightning 2.0 removed the "dp" (DataParallel) strategy, so the row says so."""
+    page = (ROOT / "docs" / "keras-lightning.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith('| `strategy="dp"`')]
+    assert rows and all("removed in Lightning 2.0" in row for row in rows)

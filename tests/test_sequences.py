@@ -269,6 +269,36 @@ def test_predictor_of_time_major_inputs_with_lengths(tmp_path: Path) -> None:
         predictor(torch.randint(1, VOCAB, (12, 6)), torch.tensor([1, 2]))
 
 
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu"] * 3])
+def test_time_major_classifier_gets_batch_first_metrics_and_predict_rows(
+        devices: list[str]) -> None:
+    """Issue 28 item 6: with (time, batch) tokens and one label per sequence, a classifier's
+    (N, C) outputs reached metrics as (C, N) and predict reordered them on C (an index error
+    on 1 replica, a cat size mismatch on 3); bucketing.md promises batch-first outputs for
+    metrics and rows back in order on N. Each number equals the module run per sentence."""
+    sentences = _sentences(60)
+    labels = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(5))
+
+    def batches(shuffle: bool) -> fitdp.BucketIterator:
+        return fitdp.BucketIterator(sentences, labels, 8, layout="TN", include_lengths=True,
+                                    seed=0, shuffle=shuffle)
+
+    torch.manual_seed(1)
+    model = fitdp.Model(TimeMajorWithLengths())
+    model.compile(optimizer="sgd", loss="cross_entropy", lr=0.1, metrics={
+        "acc": MulticlassAccuracy(num_classes=VOCAB, average="micro")})
+    history = model.fit(batches(True), epochs=1, devices=devices, verbose=0)
+    assert 0.0 <= history.history["acc"][0] <= 1.0
+    preds = model.predict(batches(False), devices=devices)
+    logs = model.evaluate(batches(False), devices=devices, verbose=0)
+    net = model.module.eval()
+    with torch.no_grad():
+        ref = torch.cat([net(s[:, None], torch.tensor([len(s)])) for s in sentences])
+    torch.testing.assert_close(preds, ref, atol=1e-5, rtol=1e-5)
+    assert logs["acc"] == pytest.approx(float((ref.argmax(1) == labels).float().mean()))
+    assert logs["loss"] == pytest.approx(float(F.cross_entropy(ref, labels)), rel=1e-5)
+
 def test_custom_loss_on_padded_tokens_without_a_declaration_warns() -> None:
     """Regression (issue 22.3): a custom per-token loss on 2 replicas silently trained another
     update (weighed by rows); undeclared, it now warns, and TokenMean does not."""

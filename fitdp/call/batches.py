@@ -9,7 +9,7 @@ import torch
 
 from fitdp.call.ranks import Ranks
 from fitdp.callbacks import CallbackList
-from fitdp.data.batch import DataBatch
+from fitdp.data.batch import Axes, DataBatch
 from fitdp.data.sequence import PAD_VALUE, pad_cat, reorder, split_samples
 
 
@@ -52,16 +52,17 @@ def run_batches(
     return done
 
 
-def assemble(rows: list[tuple[int, Any, Any]], ranks: Ranks, axis: int = 0,
+def assemble(rows: list[tuple[int, Any, Any]], ranks: Ranks, axis: Axes = 0,
              pad_value: float = PAD_VALUE, ragged: bool = False) -> Any:
     """Predict's rows in input order (from every rank under torch.distributed).
 
     ``rows`` holds ``(step, sample indices or None, outputs)``. A rank's step ``s`` holds
     global batch ``s * world_size + rank`` (round-robin sharding); batches that carry sample
     indices (tensors, BucketIterator) are put back by index, along the batch ``axis`` (1 for
-    time-major data). Outputs of several lengths (a tagger over buckets) are padded at the
-    end with ``pad_value`` to the longest; ``ragged`` returns one output per sample instead
-    (the batch axis removed, each at its batch's length).
+    time-major data; or one per output, ``fitdp.data.batch.output_axes``). Outputs of
+    several lengths (a tagger over buckets) are padded at the end with ``pad_value`` to the
+    longest; ``ragged`` returns one output per sample instead (the batch axis removed, each
+    at its batch's length).
     """
     keyed = [(s * ranks.world_size + ranks.rank, i, r) for s, i, r in rows]
     if ranks.enabled:

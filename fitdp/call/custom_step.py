@@ -135,6 +135,11 @@ class CustomStep:
                  "the loss (a scalar tensor) or a dict of logs (holding 'loss' for fitdp to "
                  "backpropagate)", "return loss, or {'loss': loss, ...}", error=TypeError,
                  described=True)
+        if training and not manual and "loss" not in result:
+            # Else the epoch would run with no backward and no weight would move.
+            fail(what, f"a dict with keys {sorted(map(str, result))}", "a dict holding "
+                 "'loss' (the tensor fitdp backpropagates)", "return {'loss': loss, ...}",
+                 described=True)
         logs = self._logs[d]
         for key, value in result.items():
             if key == "loss" and not manual:

@@ -280,7 +280,7 @@ class Session:
         self.run.stop_predicting = False
         source.set_epoch(0)
         rows: list[tuple[int, Any, Any]] = []
-        axes: set[int] = set()
+        axes: list[Any] = []  # per batch, each output's batch axis
         to_host = _host_copier(self.replicas)
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
@@ -292,16 +292,17 @@ class Session:
                 if self.custom is not None:
                     self.custom.predicting = False
             outs = [tree_map(to_host, o) for o in self.mgr.outputs()]
-            rows.append((index, batch.index, tree_cat(outs, batch.axis) if outs else None))
-            axes.add(batch.axis)
+            if outs:
+                axes.append(self.mgr.output_axes())
+            rows.append((index, batch.index, tree_cat(outs, axes[-1]) if outs else None))
             return {}
 
         callbacks.call("on_predict_begin", {})
         run_batches(itertools.islice(source, steps), callbacks, PREDICT, step,
                     lambda: self.run.stop_predicting)
         callbacks.call("on_predict_end", {})
-        return assemble(rows, self.plan.ranks, axes.pop() if len(axes) == 1 else 0,
-                        pad_value, ragged)
+        same = bool(axes) and all(a == axes[0] for a in axes)
+        return assemble(rows, self.plan.ranks, axes[0] if same else 0, pad_value, ragged)
 
     # -- shared by every call -------------------------------------------------------------
 

@@ -175,6 +175,12 @@ def _check_entry(arg: str, key: str | None, metric: Any, weighted: bool) -> None
                 f"sample weights; expected one of {sorted(WEIGHTABLE)}. Fix: move it to "
                 f"metrics=.")
         return
+    if arg == "metrics" and isinstance(metric, (int, float)) and not isinstance(metric, bool):
+        raise TypeError(
+            f"metrics: got the number {metric!r}; expected torchmetrics metrics or Keras "
+            f"names. compile's third positional argument is metrics in fitdp, but "
+            f"loss_weights in Keras. Fix: pass loss_weights=... (and metrics=...) by "
+            f"keyword.")
     if not isinstance(metric, Metric):
         raise TypeError(
             f"{arg}: {label} is {type(metric).__name__}, not a torchmetrics.Metric. "

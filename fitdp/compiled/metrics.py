@@ -104,7 +104,7 @@ class DeviceMetrics:
         return bool(self.templates)
 
     def update(self, device_index: int, outputs: Any, labels: Any,
-               weight: torch.Tensor | None = None) -> None:
+               weight: torch.Tensor | None = None, out_axes: Any = None) -> None:
         """Update device ``device_index``'s clones (called on that device's thread); the
         metrics updated once per batch keep the slice for ``end_batch``.
 
@@ -114,10 +114,12 @@ class DeviceMetrics:
             labels: that device's valid label rows, often a view of a buffer fitdp reuses.
             weight: that device's valid rows of the sample weights, or None (read by the
                 ``weighted_metrics`` only).
+            out_axes: each output's batch axis (``Executor.output_axes``: time-major data's
+                outputs may be batch-first already); None: the batch's.
         """
         outputs, labels = tree_map(torch.Tensor.detach, (outputs, labels))
         if self.axis:
-            outputs, labels = batch_first(outputs, labels, self.axis)
+            outputs, labels = batch_first(outputs, labels, self.axis, out_axes)
         if self.whole:
             self._pending[device_index] = (outputs, labels, weight)
         sliced = self._sliced[device_index]

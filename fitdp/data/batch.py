@@ -49,11 +49,51 @@ def axis_of(t: torch.Tensor, axis: int) -> int:
     return axis if t.dim() > axis else 0
 
 
-def take_rows(tree: Any, rows: slice, axis: int = 0) -> Any:
-    """``rows`` of every tensor of ``tree`` along the batch ``axis``."""
+Axes = Any  # a batch axis for every tensor (an int), or a tree of ints (``output_axes``)
+
+
+def output_axes(outputs: Any, axis: int, rows: int, inputs: Any) -> Axes:
+    """The batch axis of each output of time-major data (batch ``axis`` > 0): ``axis`` for
+    an output that keeps the inputs' layout (the inputs' dims before ``axis``, then
+    ``rows``: a tagger's ``(T, N, C)``), 0 for one already batch-first (a classifier's
+    ``(N, C)`` of ``(T, N)`` tokens). An output that fits both (``T == N``) or neither keeps
+    the layout's ``axis``. Batch-first data: ``axis`` (0) for every tensor.
+
+    Example:
+        >>> tokens = torch.zeros(7, 2)
+        >>> output_axes((torch.zeros(7, 2, 5), torch.zeros(2, 3)), 1, 2, tokens)
+        (1, 0)
+    """
+    if axis == 0:
+        return axis
+    lead = next((tuple(t.shape[:axis]) for t in tree_leaves(inputs) if t.dim() > axis), None)
+
+    def one(t: torch.Tensor) -> int:
+        if t.dim() <= axis:
+            return 0
+        keeps = t.shape[axis] == rows and tuple(t.shape[:axis]) == lead
+        return 0 if t.shape[0] == rows and not keeps else axis
+
+    return tree_map(one, outputs)
+
+
+def tree_map_axes(fn: Callable[[torch.Tensor, int], Any], tree: Any, axes: Axes) -> Any:
+    """``fn(tensor, its batch axis)`` for every tensor of ``tree``; ``axes`` is one axis
+    for all (``axis_of`` each) or a tree of ints of ``tree``'s structure."""
+    if isinstance(axes, int):
+        return tree_map(lambda t: fn(t, axis_of(t, axes)), tree)
+    if isinstance(tree, Mapping):
+        return {k: tree_map_axes(fn, v, axes[k]) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(tree_map_axes(fn, v, a) for v, a in zip(tree, axes))
+    return tree
+
+
+def take_rows(tree: Any, rows: slice, axis: Axes = 0) -> Any:
+    """``rows`` of every tensor of ``tree`` along the batch ``axis`` (or per-tensor axes)."""
     if axis == 0:
         return tree_map(lambda t: t[rows], tree)
-    return tree_map(lambda t: t[(slice(None),) * axis_of(t, axis) + (rows,)], tree)
+    return tree_map_axes(lambda t, a: t[(slice(None),) * a + (rows,)], tree, axis)
 
 
 def tree_map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
@@ -100,14 +140,22 @@ def tree_structure(tree: Any) -> Any:
     return ("?", type(tree).__name__)
 
 
-def tree_cat(trees: Sequence[Any], axis: int = 0) -> Any:
-    """Concatenate a list of same-structure trees along the batch ``axis``."""
+def tree_cat(trees: Sequence[Any], axis: Axes = 0) -> Any:
+    """Concatenate a list of same-structure trees along the batch ``axis`` (or per-tensor
+    axes)."""
     first = trees[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(list(trees), dim=axis_of(first, axis))
+        return torch.cat(list(trees), dim=axis_of(first, axis) if isinstance(axis, int)
+                         else axis)
     if isinstance(first, Mapping):
-        return {k: tree_cat([t[k] for t in trees], axis) for k in first}
-    return type(first)(tree_cat([t[i] for t in trees], axis) for i in range(len(first)))
+        return {k: tree_cat([t[k] for t in trees], branch_axes(axis, k)) for k in first}
+    return type(first)(tree_cat([t[i] for t in trees], branch_axes(axis, i))
+                       for i in range(len(first)))
+
+
+def branch_axes(axes: Axes, key: Any) -> Axes:
+    """The axes of one branch of a tree (one int stands for every branch)."""
+    return axes if isinstance(axes, int) else axes[key]
 
 
 def batch_length(tree: Any, axis: int = 0) -> int:

@@ -13,14 +13,15 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from fitdp.data.batch import axis_of, tree_leaves, tree_map
+from fitdp.data.batch import Axes, axis_of, branch_axes, tree_map, tree_map_axes
 
 PAD_VALUE = 0.0  # predict's default pad for outputs shorter than the longest (as pad_sequence)
 
 
-def pad_cat(trees: list[Any], axis: int = 0, pad_value: float = PAD_VALUE) -> Any:
-    """Concatenate same-structure trees along the batch ``axis``, every other dim padded at
-    its end with ``pad_value`` to the largest size (a tagger's batches of several lengths).
+def pad_cat(trees: list[Any], axis: Axes = 0, pad_value: float = PAD_VALUE) -> Any:
+    """Concatenate same-structure trees along the batch ``axis`` (or per-tensor axes), every
+    other dim padded at its end with ``pad_value`` to the largest size (a tagger's batches of
+    several lengths).
 
     Example:
         >>> pad_cat([torch.ones(1, 2), torch.ones(1, 3)], pad_value=-1.0)
@@ -29,13 +30,13 @@ def pad_cat(trees: list[Any], axis: int = 0, pad_value: float = PAD_VALUE) -> An
     """
     first = trees[0]
     if isinstance(first, torch.Tensor):
-        dim = axis_of(first, axis)
+        dim = axis_of(first, axis) if isinstance(axis, int) else axis
         sizes = [max(t.shape[d] for t in trees) for d in range(first.dim())]
         parts = [_pad_to(t, sizes, dim, pad_value) for t in trees]
         return torch.cat(parts, dim=dim)
     if isinstance(first, Mapping):
-        return {k: pad_cat([t[k] for t in trees], axis, pad_value) for k in first}
-    return type(first)(pad_cat([t[i] for t in trees], axis, pad_value)
+        return {k: pad_cat([t[k] for t in trees], branch_axes(axis, k), pad_value) for k in first}
+    return type(first)(pad_cat([t[i] for t in trees], branch_axes(axis, i), pad_value)
                        for i in range(len(first)))
 
 
@@ -49,25 +50,27 @@ def _pad_to(t: torch.Tensor, sizes: list[int], batch_dim: int, value: float) -> 
     return F.pad(t, widths, value=value)
 
 
-def split_samples(tree: Any, axis: int = 0) -> list[Any]:
+def split_samples(tree: Any, axis: Axes = 0) -> list[Any]:
     """One tree per sample (the batch ``axis`` removed), in batch order.
 
     Example:
         >>> [tuple(s.shape) for s in split_samples(torch.zeros(5, 2, 3), axis=1)]
         [(5, 3), (5, 3)]
     """
-    leaves = tree_leaves(tree)
-    rows = leaves[0].shape[axis_of(leaves[0], axis)] if leaves else 0
+    sizes: list[int] = []
+    tree_map_axes(lambda t, a: sizes.append(int(t.shape[a])), tree, axis)
+    rows = sizes[0] if sizes else 0
 
     def sample(i: int) -> Any:
-        return tree_map(lambda t: t.select(axis_of(t, axis), i), tree)
+        return tree_map_axes(lambda t, a: t.select(a, i), tree, axis)
 
     return [sample(i) for i in range(rows)]
 
 
-def reorder(tree: Any, order: torch.Tensor, axis: int = 0) -> Any:
-    """Every tensor of ``tree`` with its rows along the batch ``axis`` taken in ``order``."""
-    return tree_map(lambda t: t.index_select(axis_of(t, axis), order), tree)
+def reorder(tree: Any, order: torch.Tensor, axis: Axes = 0) -> Any:
+    """Every tensor of ``tree`` with its rows along the batch ``axis`` (or per-tensor axes)
+    taken in ``order``."""
+    return tree_map_axes(lambda t, a: t.index_select(a, order), tree, axis)
 
 
 class TokenMean:
@@ -111,10 +114,13 @@ class TokenMean:
         return f"TokenMean({self.fn!r}, ignore_index={self.ignore_index})"
 
 
-def batch_first(outputs: Any, labels: Any, axis: int) -> tuple[Any, Any]:
+def batch_first(outputs: Any, labels: Any, axis: int, out_axes: Axes = None
+                ) -> tuple[Any, Any]:
     """Outputs and labels of time-major data (batch ``axis`` > 0) as torchmetrics takes them:
     the batch axis first, and per-token class scores ``(T, N, C)`` (a class axis after the
-    labels' dims) as ``(N, C, T)``. Batch-first data (``axis`` 0) is returned as it is.
+    labels' dims) as ``(N, C, T)``. ``out_axes``: each output's batch axis
+    (``fitdp.data.batch.output_axes``: a classifier's ``(N, C)`` is batch-first already);
+    None: ``axis``. Batch-first data (``axis`` 0) is returned as it is.
 
     Example:
         >>> o, t = batch_first(torch.zeros(7, 2, 5), torch.zeros(7, 2), axis=1)
@@ -124,7 +130,8 @@ def batch_first(outputs: Any, labels: Any, axis: int) -> tuple[Any, Any]:
     if axis == 0:
         return outputs, labels
     lab = tree_map(lambda t: t.movedim(axis_of(t, axis), 0), labels)
-    out = tree_map(lambda t: t.movedim(axis_of(t, axis), 0), outputs)
+    out = tree_map_axes(lambda t, a: t.movedim(a, 0), outputs,
+                        axis if out_axes is None else out_axes)
     if (isinstance(out, torch.Tensor) and isinstance(lab, torch.Tensor)
             and out.dim() == lab.dim() + 1 and lab.dim() >= 2
             and out.shape[:-1] == lab.shape):

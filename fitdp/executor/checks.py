@@ -25,6 +25,14 @@ def check_module(module: Any) -> None:
              "pass the network itself, e.g. nn.Linear(4, 2)", error=TypeError)
 
 
+def check_bucket_module(bucket_module: Any) -> None:
+    """``bucket_module`` is None or a ``callable(bucket_key) -> nn.Module``."""
+    if bucket_module is not None and not callable(bucket_module):
+        fail("bucket_module", bucket_module, "a callable(bucket_key) -> nn.Module (MXNet's "
+             "sym_gen), or None", "pass a function, e.g. lambda key: Net(seq_len=key)",
+             error=TypeError)
+
+
 def check_batch(data_batch: Any) -> None:
     """``data_batch`` is a ``DataBatch``."""
     if not isinstance(data_batch, DataBatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import inspect
 import typing
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -155,6 +156,14 @@ def _sum_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[to
 _sum_hook.__annotations__ = typing.get_type_hints(_sum_hook)
 
 
+# Buffers are not synced by DDP (fitdp broadcasts rank 0's state when a call starts). torch
+# 2.13 renamed broadcast_buffers, which now warns on every rank, to forward_sync_buffers;
+# under init_sync=False the two mean the same.
+_DDP_ARGS = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+_NO_BUFFER_SYNC: dict[str, Any] = {
+    "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers": False}
+
+
 def wrap_ddp(module: nn.Module, device: torch.device, options: DDP
              ) -> nn.parallel.DistributedDataParallel:
     """``module`` (already on ``device``, equal on every rank) under DDP, summing gradients.
@@ -164,9 +173,9 @@ def wrap_ddp(module: nn.Module, device: torch.device, options: DDP
     """
     ddp = nn.parallel.DistributedDataParallel(
         module, device_ids=[device] if device.type == "cuda" else None,
-        broadcast_buffers=False, bucket_cap_mb=options.bucket_cap_mb,
-        gradient_as_bucket_view=True, static_graph=options.static_graph,
-        init_sync=False)  # fitdp broadcasts rank 0's weights itself when a call starts
+        bucket_cap_mb=options.bucket_cap_mb, gradient_as_bucket_view=True,
+        static_graph=options.static_graph,
+        init_sync=False, **_NO_BUFFER_SYNC)  # fitdp broadcasts rank 0's weights itself
     ddp.register_comm_hook(None, _sum_hook)
     return ddp
 

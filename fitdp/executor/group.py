@@ -259,4 +259,4 @@ class DataParallelExecutorGroup:
 
     def outputs(self) -> list[Any]:
         """Each device's outputs, padding rows removed."""
-        return [ex.valid_rows(ex.outputs) for ex in self.executors]
+        return [ex.valid_outputs(ex.outputs) for ex in self.executors]

@@ -87,6 +87,7 @@ class DataParallelExecutorManager(StepMixin):
         engine: DDP | FSDP | None = None,
     ) -> None:
         checks.check_module(module)
+        checks.check_bucket_module(bucket_module)
         self.devices = resolve_devices(devices)
         self.layout: str | None = None  # the reserved inputs' layout (see ``reserve``)
         check_compile(compile, self.devices)
@@ -254,7 +255,8 @@ class DataParallelExecutorManager(StepMixin):
                 # buffers the next batch overwrites, and a metric may keep what it is given.
                 to = tree_map(lambda t: t.detach().to(metric.device, copy=True),
                               (ex.outputs, lab))
-                metric.update(*ex.valid_rows(to))
+                metric.update(*take_rows(to, slice(0, ex.valid),
+                                         (ex.output_axes(to[0]), ex.axis)))
 
     def prepare_buckets(self, keys: Iterable[Hashable]) -> None:
         """Create every bucket's executor group now instead of on first sight, so a
@@ -312,6 +314,12 @@ class DataParallelExecutorManager(StepMixin):
         """The current batch's outputs per device (padding removed; empty slices left out)."""
         group = self.curr_execgrp
         return [o for ex, o in zip(group.executors, group.outputs()) if ex.valid > 0]
+
+    def output_axes(self) -> Any:
+        """The batch axis of each of the current batch's outputs (0 for batch-first data;
+        see ``fitdp.data.batch.output_axes`` for time-major data)."""
+        ex = next((e for e in self.curr_execgrp.executors if e.valid > 0), None)
+        return 0 if ex is None else ex.output_axes(ex.outputs)
 
     def loss_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of per-row losses, rows) since ``reset_loss``, on device 0 (no host sync)."""

@@ -145,8 +145,9 @@ def metric_share(job: Job, d: int) -> None:
     labels = ex.labels if job.metric_labels is None else take_rows(
         job.metric_labels, job.slices[d], ex.axis)
     if ex.valid > 0 and labels is not None:
-        job.metric.update(d, ex.valid_rows(ex.outputs), ex.valid_rows(labels),
-                          ex.valid_rows(ex.weights))
+        axes = ex.output_axes(ex.outputs)
+        job.metric.update(d, take_rows(ex.outputs, slice(0, ex.valid), axes),
+                          ex.valid_rows(labels), ex.valid_rows(ex.weights), axes)
 
 
 def device_share(job: Job, d: int) -> None:

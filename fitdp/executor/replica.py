@@ -18,7 +18,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.data.batch import axis_of, batch_length, take_rows, tree_leaves, tree_map, tree_names
+from fitdp.checks import first_line, reworded
+from fitdp.data.batch import (
+    Axes,
+    axis_of,
+    batch_length,
+    output_axes,
+    take_rows,
+    tree_leaves,
+    tree_map,
+    tree_names,
+)
 from fitdp.executor.checks import check_loss
 from fitdp.executor.compile_config import (
     COMPILE_LOCK,
@@ -130,9 +140,21 @@ class Executor:
             if self.warn_on_grow and buf is not None and buf.dtype == src.dtype:
                 # The group logs the seed's warning once for all its devices (``grown``).
                 self.grown.append((name, tuple(src.shape), shape))
-            buf = torch.empty(numel, dtype=src.dtype, device=self.device)
+            buf = self._allocate(name, src)
             self.shared_buffers[name] = (buf, tuple(src.shape))
         return buf[:numel].view(src.shape)
+
+    def _allocate(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        """A new flat buffer for ``src``; a size the device cannot hold is named (the
+        allocator's own error says only the bytes)."""
+        try:
+            return torch.empty(src.numel(), dtype=src.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as err:
+            size = src.numel() * src.element_size()
+            raise reworded(err, f"input {name!r}: a buffer of shape {tuple(src.shape)} "
+                           f"{src.dtype} ({size / 1e9:,.1f} GB) cannot be allocated on "
+                           f"{self.device} ({first_line(err)}). Fix: a smaller batch_size "
+                           f"or bucket (the shape given to reserve or loaded).") from err
 
     def reserve(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Allocate the input buffer ``name`` for ``shape`` up front (the largest bucket)."""
@@ -296,8 +318,13 @@ class Executor:
         return [None if t.grad is None else self.valid_rows(t.grad) for t in leaves]
 
     def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Backpropagate this replica's weighted loss (gradients accumulate into its buffers)."""
-        if self.loss is None:
+        """Backpropagate this replica's weighted loss (gradients accumulate into its buffers).
+        A module without trainable parameters makes it a no-op, as in MXNet
+        (``test_module_update_no_param``); a loss cut from the graph of a module that has
+        them still raises torch's error (it would train nothing)."""
+        if self.loss is None or not self.loss.requires_grad and not any(
+                p.requires_grad for p in self.module.parameters()):
+            self.loss = None
             return
         (self.loss if scale is None else scale(self.loss)).backward()
         self.loss = None
@@ -310,6 +337,17 @@ class Executor:
     def valid_rows(self, tree: Any) -> Any:
         """The rows of ``tree`` that are not padding."""
         return take_rows(tree, slice(0, self.valid), self.axis)
+
+    def output_axes(self, outputs: Any) -> Axes:
+        """Each output's batch axis: the layout's, or 0 for an output of time-major data that
+        is batch-first already (``fitdp.data.batch.output_axes``)."""
+        return self.axis if self.axis == 0 else output_axes(outputs, self.axis, self.rows,
+                                                            self.inputs)
+
+    def valid_outputs(self, outputs: Any) -> Any:
+        """The rows of the module's ``outputs`` that are not padding, each on its own batch
+        axis."""
+        return take_rows(outputs, slice(0, self.valid), self.output_axes(outputs))
 
     def fold_losses(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of per-row losses, rows) so far, as device tensors (no host sync); folds the
@@ -377,7 +415,7 @@ class ModuleLoss:
             return None, outputs
         w = ex.weights
         if ex.valid < ex.rows:
-            out, lab = ex.valid_rows(outputs), ex.valid_rows(lab)
+            out, lab = ex.valid_outputs(outputs), ex.valid_rows(lab)
             w = None if w is None else w[: ex.valid]
         else:
             out = outputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 from fitdp.executor.checks import check_split
@@ -26,6 +27,12 @@ def check_work_load_list(work_load_list: Sequence[float] | None, num_devices: in
         )
     loads = []
     for w in work_load_list:
+        if isinstance(w, int) and not isinstance(w, bool) and w > sys.float_info.max:
+            raise ValueError(
+                f"work_load_list: got an int of {len(str(w))} digits; expected shares below "
+                f"{sys.float_info.max:.3g} (relative shares: only their ratios count). Fix: "
+                f"scale them down, e.g. [1.0, 2.0]."
+            )
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < math.inf:
             raise ValueError(
                 f"work_load_list: got {list(work_load_list)}; every entry must be a positive, "
@@ -83,9 +90,11 @@ def split_input_slice(batch_size: int, work_load_list: Sequence[float]) -> list[
         [slice(0, 2, None), slice(2, 4, None), slice(4, 10, None)]
     """
     check_split(batch_size, work_load_list)
-    check_work_load_list(work_load_list, len(work_load_list))
-    total = float(sum(work_load_list))
-    shares = [w * batch_size / total for w in work_load_list]
+    loads = check_work_load_list(work_load_list, len(work_load_list))
+    total = sum(loads)
+    # A huge load times the rows overflows to inf: then its share of the total first.
+    shares = [w * batch_size / total if math.isfinite(w * batch_size) else
+              w / total * batch_size for w in loads]
     counts = [int(s) for s in shares]
     # Hand the rows lost to flooring to the largest fractional parts (earlier device on ties).
     order = sorted(range(len(shares)), key=lambda i: (counts[i] - shares[i], i))

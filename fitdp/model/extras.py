@@ -67,8 +67,8 @@ class ModelExtras:
 
     def summary(self, x: Any = None, *, input_shape: Any = None, expand_nested: bool = False,
                 show_trainable: bool = False, line_length: int = 80,
-                print_fn: Callable[[str], Any] | None = None) -> str:
-        """Print and return a Keras-style table of the module: one row per layer (the
+                print_fn: Callable[[str], Any] | None = None) -> None:
+        """Print a Keras-style table of the module: one row per layer (the
         module's children; every descendant with ``expand_nested``) with its type, output
         shape and parameter count, then the total, trainable and non-trainable counts.
 
@@ -92,10 +92,9 @@ class ModelExtras:
             expand_nested: show the layers inside nested modules, indented.
             show_trainable: add a column: ``Y`` trainable, ``N`` frozen, ``-`` no parameters.
             line_length: width of the table in characters.
-            print_fn: called once with the text instead of ``print``.
-
-        Returns:
-            The text of the table.
+            print_fn: called once with the text instead of ``print`` (Keras's
+                ``print_fn``); ``print_fn=lines.append`` keeps the text. Returns None, as
+                Keras's ``summary`` does, so a notebook shows the table once.
 
         Raises:
             TypeError: ``x`` is not a tensor, array, or tuple/list/dict of them;
@@ -111,7 +110,6 @@ class ModelExtras:
                          show_trainable=show_trainable, line_length=width,
                          per_sample=per_sample)
         (print if print_fn is None else print_fn)(text)
-        return text
 
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                        class_weight: Mapping[int, float] | None = None,

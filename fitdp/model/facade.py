@@ -25,6 +25,7 @@ from fitdp.compiled.metrics import MetricsArg
 from fitdp.compiled.optimizers import OptimizerArg
 from fitdp.compiled.setup import CompileConfig, Compiled
 from fitdp.data.sequence import PAD_VALUE, check_pad_args
+from fitdp.executor.checks import check_bucket_module
 from fitdp.executor.devices import DevicesArg
 from fitdp.executor.engines import Strategy
 from fitdp.executor.interrupts import GUARD
@@ -63,9 +64,7 @@ class Model(KerasSteps, ModelIO, ModelExtras):
     ) -> None:
         if not isinstance(module, nn.Module):
             fail("module", module, "a torch.nn.Module", error=TypeError)
-        if bucket_module is not None and not callable(bucket_module):
-            fail("bucket_module", bucket_module, "a callable(bucket_key) -> nn.Module",
-                 error=TypeError)
+        check_bucket_module(bucket_module)
         self.module = module
         self.bucket_module = bucket_module
         self.run = RunState()
@@ -119,7 +118,7 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         optimizer: OptimizerArg = "adam",
         loss: Any = "cross_entropy",
         metrics: MetricsArg = None,
-        *,
+        *keras_order: Any,
         lr: float | None = None,
         lr_scheduler: Any = None,
         precision: str = "32",
@@ -145,7 +144,16 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         reduction), ``"ddp"``, ``"fsdp"`` (FSDP2), or ``fitdp.DDP(...)``/``fitdp.FSDP(...)``
         with options (docs/distributed.md). Every argument is checked and every piece
         built before anything changes.
+
+        The third positional argument is ``metrics`` (Keras's is ``loss_weights``): numbers
+        there, or a fourth positional argument (Keras's ``metrics``), are a ``TypeError``
+        that names the keywords to use.
         """
+        if keras_order:
+            fail("compile", f"{3 + len(keras_order)} positional arguments", "at most 3: "
+                 "optimizer, loss, metrics (Keras's compile takes loss_weights third and "
+                 "metrics fourth)", "pass loss_weights=..., metrics=... and "
+                 "weighted_metrics=... by keyword", error=TypeError, described=True)
         if self._session is not None:
             raise RuntimeError("compile: called during fit/evaluate/predict (from a callback);"
                                " compile before or after the call")
@@ -156,18 +164,20 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         self._release()
         self._trainer = trainer
 
-    def fit(self, x: Any = None, y: Any = None, *, batch_size: int = 32, epochs: int = 1,
+    def fit(self, x: Any = None, y: Any = None, batch_size: int = 32, epochs: int = 1,
             verbose: int | str = "auto", callbacks: Sequence[Callback] | None = None,
             validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
             class_weight: dict[int, float] | None = None, sample_weight: Any = None,
             initial_epoch: int = 0, steps_per_epoch: int | None = None,
             validation_steps: int | None = None, validation_batch_size: int | None = None,
-            validation_freq: int | Sequence[int] = 1, devices: DevicesArg = "auto",
+            validation_freq: int | Sequence[int] = 1, *, devices: DevicesArg = "auto",
             work_load_list: Sequence[float] | str | None = None, seed: int | None = None,
             monitor: Monitor | None = None, resume: Any = None, log_every: int = 50,
             timeout: float = DEFAULT_TIMEOUT, **legacy: Any) -> History:
         """Train for ``epochs`` epochs; returns the ``History`` (see docs/api.md and Keras's fit).
 
+        The arguments up to ``validation_freq`` may be given by position, in Keras's order
+        (``fit(x, y, 32, 2)``: batch size 32, 2 epochs); fitdp's own are keyword-only.
         ``seed`` fixes the data order and torch's generator (dropout) for this fit: the same
         seed gives bit-for-bit the same run on the same devices. ``log_every``: batches
         between host reads of loss and metrics on GPU. ``timeout``: seconds a collective may
@@ -214,10 +224,10 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         self.history = cbs.history
         return cbs.history
 
-    def evaluate(self, x: Any = None, y: Any = None, *, batch_size: int = 32,
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int = 32,
                  verbose: int | str = "auto", sample_weight: Any = None,
                  steps: int | None = None, callbacks: Sequence[Callback] | None = None,
-                 return_dict: bool = True, devices: DevicesArg = "auto",
+                 return_dict: bool = True, *, devices: DevicesArg = "auto",
                  work_load_list: Sequence[float] | str | None = None, **legacy: Any
                  ) -> dict[str, float] | list[float] | float:
         """Loss and every metric over the data, from its start: ``{"loss": ...,
@@ -232,8 +242,8 @@ class Model(KerasSteps, ModelIO, ModelExtras):
             logs = session.test_pass(plan.source, plan.callbacks, plan.steps)
         return keras_logs(logs, trainer, return_dict)
 
-    def predict(self, x: Any = None, *, batch_size: int = 32, verbose: int | str = 0,
-                steps: int | None = None, callbacks: Sequence[Callback] | None = None,
+    def predict(self, x: Any = None, batch_size: int = 32, verbose: int | str = 0,
+                steps: int | None = None, callbacks: Sequence[Callback] | None = None, *,
                 devices: DevicesArg = "auto", work_load_list: Sequence[float] | str | None = None,
                 pad_value: float = PAD_VALUE, ragged: bool = False, **legacy: Any) -> Any:
         """Outputs for every sample, one row per input sample, in input order, on the CPU

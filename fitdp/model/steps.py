@@ -23,16 +23,33 @@ from fitdp.executor.replica import call_module
 
 def unpack_x_y_sample_weight(data: Any) -> tuple[Any, Any, Any]:
     """Keras's ``keras.utils.unpack_x_y_sample_weight``: ``(x, y, sample_weight)`` from a
-    step's ``data`` (``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``; y and the weights
-    None where absent).
+    step's ``data`` (``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``; y and the
+    weights None where absent). A list is read as the tuple (a DataLoader's default collate
+    yields lists); an empty or longer tuple is an error, as in Keras
+    (keras/src/trainers/data_adapters/data_adapter_utils.py).
+
+    Args:
+        data: the step's batch.
+
+    Returns:
+        ``(x, y, sample_weight)``.
+
+    Raises:
+        ValueError: ``data`` is an empty tuple or list, or one of more than 3 items.
 
     Example:
         >>> unpack_x_y_sample_weight((1, 2))
         (1, 2, None)
+        >>> unpack_x_y_sample_weight([1, 2])
+        (1, 2, None)
     """
-    if isinstance(data, tuple) and 1 <= len(data) <= 3:
-        return (*data, *([None] * (3 - len(data))))  # type: ignore[return-value]
-    return data, None, None
+    if not isinstance(data, (tuple, list)):
+        return data, None, None
+    if not 1 <= len(data) <= 3:
+        fail("unpack_x_y_sample_weight(data)", f"a {type(data).__name__} of {len(data)} items",
+             "x, (x,), (x, y) or (x, y, sample_weight), as in Keras",
+             "pack several inputs as one item: ((x1, x2), y)", described=True)
+    return (*data, *([None] * (3 - len(data))))  # type: ignore[return-value]
 
 
 class KerasSteps:

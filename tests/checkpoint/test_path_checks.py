@@ -74,3 +74,27 @@ def test_folder_path_is_refused(tmp_path: Path, call: str) -> None:
     assert isinstance(error, ValueError), repr(error)
     assert str(error).startswith("path: got ") and "not a folder" in str(error), str(error)
     assert os.listdir(tmp_path) == ["model.ckpt"] and not os.listdir(folder)
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("kind", ["a FIFO", "a folder"])
+def test_long_special_path_is_named_whole_with_its_kind(tmp_path: Path, call: str,
+                                                       kind: str) -> None:
+    """Issue 28 item 11: the refused path was cut at 60 characters, before the file name;
+    the message now holds the whole path and says what is there."""
+    deep = tmp_path / ("runs-" + "x" * 60) / "epoch-07"
+    deep.mkdir(parents=True)
+    path = deep / "model-final.ckpt"
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    error = call_bounded(lambda: CALLS[call](path), path if kind == "a FIFO" else None)
+    assert isinstance(error, ValueError), repr(error)
+    assert str(error).startswith(f"path: got {str(path)!r}, {kind};"), str(error)
+
+
+def test_a_device_path_is_named_as_a_device() -> None:
+    """/dev/null (a character device) is refused as one, with its whole path."""
+    error = call_bounded(lambda: load_checkpoint("/dev/null"), None)
+    assert str(error).startswith("path: got '/dev/null', a device;"), str(error)

@@ -143,3 +143,17 @@ def test_a_stream_resumes_from_an_epoch_end_without_saying_its_position(tmp_path
                 callbacks=[ModelCheckpoint(ckpt, monitor="loss")], resume="latest")
     assert resumed.global_step == 12 and stream.passes == 1
     assert_same(resumed, reference)
+
+
+def test_a_stream_under_torchrun_is_named_as_the_user_passed_it() -> None:
+    """Issue 28 item 11: an IterableDataset without __len__ under torchrun was refused as
+    "x: got LoaderSource" (fitdp's wrapper); the message names the user's dataset class."""
+    from fitdp.data.sources.loaders import LoaderSource
+    from fitdp.data.sources.sharded import ShardedSource
+
+    with pytest.raises(ValueError, match=r"x: got an IterableDataset \(Stream\) without "
+                       r"__len__;.*Fix: give the dataset a __len__") as err:
+        ShardedSource(LoaderSource(DataLoader(Stream(), batch_size=4)), rank=0, world_size=2)
+    assert "LoaderSource" not in str(err.value)
+    with pytest.raises(ValueError, match=r"x: got a generator without __len__"):
+        ShardedSource(LoaderSource(xy for xy in [(X, Y)]), rank=0, world_size=2)

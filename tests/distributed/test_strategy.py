@@ -4,6 +4,7 @@ call attaches (before any weight changes), and the engines' gradient arithmetic 
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -177,3 +178,21 @@ def test_hybrid_overlapped_all_reduce_equals_after_backward_and_one_process(stra
         overlapped = torch.load(out / f"hybrid-{name}.pt", weights_only=True)
         assert all(torch.equal(overlapped[k], v) for k, v in after.items()), name
     assert_equals_one_process(out, "hybrid", rows=41)
+
+
+def test_ddp_wrap_triggers_no_broadcast_buffers_deprecation(tmp_path):
+    """Every DDP rank printed torch's "FutureWarning: broadcast_buffers is deprecated"
+    (torch 2.13 renamed it forward_sync_buffers); the wrap now spells it the new way and
+    still leaves buffers to fitdp (no sync in forward)."""
+    from fitdp.executor.engines import wrap_ddp
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            ddp = wrap_ddp(nn.BatchNorm1d(3), CPU, DDP())
+        assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) \
+            is False
+    finally:
+        torch.distributed.destroy_process_group()

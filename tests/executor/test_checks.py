@@ -85,6 +85,53 @@ def test_split_input_slice_names_bad_arguments(args, error, pattern):
         split_input_slice(*args)
 
 
+def test_split_input_slice_with_huge_work_loads_splits_or_names_them():
+    """Issue 28 item 11: a load of 1e300 times a large batch overflowed to inf and raised
+    Python's OverflowError; an int too large for a float did the same. Only the loads'
+    ratios count: equal huge loads split as equal small ones, a 401-digit int is named."""
+    assert split_input_slice(10**9, [1e300, 1e300]) == split_input_slice(10**9, [1, 1])
+    assert split_input_slice(12, [3e300, 1e300]) == [slice(0, 9), slice(9, 12)]
+    with pytest.raises(ValueError, match=r"work_load_list: got an int of 401 digits;.*Fix: "
+                       r"scale them down"):
+        split_input_slice(10, [10**400, 1])
+
+def test_manager_refuses_a_bucket_module_that_is_not_callable():
+    """Issue 28 item 11: DataParallelExecutorManager(bucket_module=5) was accepted (and
+    failed at the first new bucket); fitdp.Model refused it already."""
+    with pytest.raises(TypeError, match=r"bucket_module: got 5; expected a callable"):
+        DataParallelExecutorManager(nn.Linear(4, 2), ["cpu"], bucket_module=5)
+
+
+def test_a_bucket_too_large_to_allocate_is_named_with_its_shape():
+    """Issue 28 item 11: reserving a bucket of 10**12 rows surfaced the allocator's bare
+    "can't allocate memory: you tried to allocate 16000000000000 bytes"; the message now
+    names the input, its shape and the fix."""
+    m = DataParallelExecutorManager(nn.Linear(4, 2), ["cpu"])
+    try:
+        with pytest.raises(RuntimeError, match=r"input 'data': a buffer of shape "
+                           r"\(1000000000000, 4\) torch.float32 \(16,000.0 GB\) cannot be "
+                           r"allocated on cpu.*Fix: a smaller batch_size or bucket"):
+            m.reserve([DataDesc("data", (10**12, 4))])
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
+def test_forward_backward_on_a_module_without_parameters_is_a_no_op(devices):
+    """Issue 28 item 11: MXNet's test_module_update_no_param (apache/mxnet,
+    tests/python/unittest/test_module.py) binds a Dropout-only module, runs
+    forward_backward and update on ones((10, 10)) and expects outputs of that shape; the
+    manager's backward raised torch's "element 0 of tensors does not require grad"."""
+    m = DataParallelExecutorManager(nn.Dropout(0.5), devices, loss=nn.functional.mse_loss)
+    try:
+        m.load_data_batch(DataBatch(torch.ones(10, 10), torch.zeros(10, 10)))
+        m.forward(is_train=True)
+        m.backward()
+        assert sum(o.shape[0] for o in m.outputs()) == 10
+        assert all(o.shape[1:] == (10,) for o in m.outputs())
+    finally:
+        m.close()
+
 def test_reserved_time_major_layout_splits_on_the_batch_axis():
     """Regression: after reserve([DataDesc(layout="TNC")]) a (3, 8, 7) batch went to two CPU
     devices as (2, 8, 7) and (1, 8, 7). MXNet's test_module_layout (apache/mxnet,

@@ -308,3 +308,39 @@ def test_self_module_is_the_replica_inside_a_step_and_the_host_outside() -> None
     model.fit(X, Y, batch_size=48, verbose=0, devices=["cpu", "cpu"])
     assert model.module is net
     assert len(seen) == 2 and seen[0] is not seen[1] and net not in seen
+
+
+@pytest.mark.parametrize("devices", DEVICES)
+def test_train_step_dict_without_loss_is_refused_before_any_weight_moves(
+        devices: list[str]) -> None:
+    """A train_step dict without "loss" ran epochs training nothing (issue 28 item 7)."""
+
+    class NoLoss(fitdp.Model):
+        def train_step(self, data):
+            x, y, _ = fitdp.unpack_x_y_sample_weight(data)
+            return {"total": self.compute_loss(x, y, self(x)), "acc": torch.tensor(0.5)}
+
+    model = NoLoss(_net())
+    model.compile("sgd", lr=0.1)
+    before = {k: v.clone() for k, v in model.module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"train_step: got a dict with keys \['acc', 'total'\]"
+                       r".*return \{'loss': loss"):
+        model.fit(X, Y, batch_size=8, verbose=0, devices=devices)
+    torch.testing.assert_close(model.module.state_dict(), before, rtol=0, atol=0)
+    assert model.global_step == 0
+
+
+def test_unpack_x_y_sample_weight_reads_a_list_and_refuses_four_items_as_keras() -> None:
+    """unpack_x_y_sample_weight([x, y]) gave ([x, y], None, None) and a 4-tuple was taken
+    as x; Keras (keras/src/trainers/data_adapters/data_adapter_utils.py) turns a list into a
+    tuple, gives (x, y, None), and raises ValueError for any tuple not of 1 to 3 items."""
+    x, y, w = torch.ones(2, 3), torch.zeros(2), torch.full((2,), 0.5)
+    assert fitdp.unpack_x_y_sample_weight([x, y]) == (x, y, None)
+    assert fitdp.unpack_x_y_sample_weight([x, y, w]) == (x, y, w)
+    assert fitdp.unpack_x_y_sample_weight([x]) == (x, None, None)
+    assert fitdp.unpack_x_y_sample_weight(x) == (x, None, None)
+    assert fitdp.unpack_x_y_sample_weight({"a": x}) == ({"a": x}, None, None)
+    for bad in ((x, y, w, w), [x, y, w, w], ()):
+        with pytest.raises(ValueError, match=r"unpack_x_y_sample_weight\(data\).*\(x, y, "
+                           r"sample_weight\)"):
+            fitdp.unpack_x_y_sample_weight(bad)

@@ -152,6 +152,44 @@ def test_loss_weights_keras(keras):
     np.testing.assert_allclose(h.history["loss"], theirs.history["loss"], rtol=1e-5)
 
 
+def test_fit_evaluate_predict_take_keras_positional_order(keras):
+    """fit(x, y, 32, 2) was Python's own TypeError; Keras's fit takes (x, y, batch_size,
+    epochs, verbose, callbacks, validation_split, validation_data, shuffle, ...) by
+    position, evaluate (x, y, batch_size, verbose, ...) and predict (x, batch_size,
+    verbose, ...): the same positional calls train, score and predict as the Keras twin."""
+    x, y, _ = data(16)
+    ours = fitdp_model(metrics=False)
+    h = ours.fit(x, y, 4, 2, 0, None, 0.0, None, False)
+    twin = keras_model(keras, metrics=False)
+    theirs = twin.fit(*np_(x, y), 4, 2, 0, None, 0.0, None, False)
+    assert h.epoch == theirs.epoch == [0, 1]
+    np.testing.assert_allclose(h.history["loss"], theirs.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(ours.evaluate(x, y, 8, 0, None, None, None, False),
+                               twin.evaluate(*np_(x, y), 8, 0, None, None, None, False),
+                               rtol=1e-5)
+    np.testing.assert_allclose(ours.predict(x, 8, 0).numpy(), twin.predict(x.numpy(), 8, 0),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError):
+        ours.fit(x, y, 4, 1, 0, None, 0.0, None, False, None, None, 0, None, None, None, 1,
+                 ["cpu"])  # fitdp's own arguments (devices, ...) stay keyword-only
+
+
+def test_compile_third_positional_is_metrics_and_keras_loss_weights_there_is_refused():
+    """compile's third positional argument is metrics in fitdp but loss_weights in Keras
+    (optimizer, loss, loss_weights, metrics, ...): metric names there work, numbers there
+    or a fourth positional argument (Keras's metrics) are a TypeError naming the keywords,
+    before the model changes."""
+    x, y, _ = data(8)
+    model = fitdp.Model(linear())
+    model.compile("sgd", "cross_entropy", ["accuracy"])
+    assert list(model.evaluate(x, y, verbose=0)) == ["loss", "accuracy"]
+    before = model.optimizer
+    for args in (([1.0, 0.5],), ({"cls": 1.0},), (None, ["accuracy"])):
+        with pytest.raises(TypeError, match=r"loss_weights.*Fix: pass loss_weights=\.\.\."):
+            model.compile("sgd", ["cross_entropy", "mse"], *args)
+        assert model.optimizer is before
+
+
 def test_optimizer_exists_right_after_compile():
     """Keras: `model.optimizer` is set by compile, before any fit; fit trains that very
     optimizer (a callback may adjust it before the first step)."""

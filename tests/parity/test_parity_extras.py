@@ -23,6 +23,14 @@ def small_net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
 
 
+def summary_text(model: fitdp.Model, *args, **kwargs) -> str:
+    """The table summary() hands its print_fn (Keras's way to keep it)."""
+    got: list[str] = []
+    model.summary(*args, print_fn=got.append, **kwargs)
+    assert len(got) == 1
+    return got[0]
+
+
 def totals(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines()
             if line.strip().startswith(("Total params", "Trainable params", "Non-trainable"))]
@@ -33,9 +41,10 @@ def totals(text: str) -> list[str]:
 def test_summary_shows_layers_output_shapes_and_parameter_counts(capsys):
     """Keras's summary: one row per layer with its type, output shape and parameters, then
     total, trainable and non-trainable counts (BatchNorm's running statistics are
-    non-trainable weights). Printed, and returned here too."""
+    non-trainable weights). Printed, and the same text goes to a print_fn."""
     model = fitdp.Model(small_net())
-    text = model.summary(torch.zeros(2, 4))
+    text = summary_text(model, torch.zeros(2, 4))
+    assert model.summary(torch.zeros(2, 4)) is None
     assert capsys.readouterr().out == text + "\n"
     rows = [line.split() for line in text.splitlines()[4:8]]
     assert rows == [["0", "(Linear)", "(2,", "8)", "40"], ["1", "(BatchNorm1d)", "(2,", "8)", "32"],
@@ -51,10 +60,7 @@ def test_summary_without_an_example_frozen_layers_and_nesting():
     of nested modules; `print_fn` receives the text instead of stdout."""
     net = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 3), nn.Softmax(-1)))
     net[0].requires_grad_(False)
-    got: list[str] = []
-    text = fitdp.Model(net).summary(expand_nested=True, show_trainable=True,
-                                    print_fn=got.append)
-    assert got == [text]
+    text = summary_text(fitdp.Model(net), expand_nested=True, show_trainable=True)
     rows = [line.split() for line in text.splitlines()[4:8]]
     assert rows == [["0", "(Linear)", "?", "40", "N"], ["1", "(Sequential)", "?", "27", "Y"],
                     ["0", "(Linear)", "?", "27", "Y"], ["1", "(Softmax)", "?", "0", "-"]]
@@ -82,7 +88,7 @@ def test_summary_counts_keras(keras):
     lines: list[str] = []
     twin.summary(print_fn=lambda text, **kw: lines.append(text))
     theirs = [line.strip(" │┃") for line in totals("\n".join(lines))]
-    text = fitdp.Model(small_net()).summary(print_fn=lambda text: None)
+    text = summary_text(fitdp.Model(small_net()))
     assert totals(text) == theirs
     per_layer = [int(line.split()[-1]) for line in text.splitlines()[4:8]]
     assert per_layer == [layer.count_params() for layer in twin.layers]
@@ -96,16 +102,28 @@ def test_summary_shapes_after_a_fit_or_from_input_shape_as_keras(keras):
                              keras.layers.Dense(3)])
     theirs = [str(layer.output.shape) for layer in twin.layers]
     model = fitdp.Model(small_net())
-    shapes = [line.split("(", 2)[2].split(")")[0] for line in model.summary(
-        input_shape=(4,), print_fn=lambda text: None).splitlines()[4:8]]
+    shapes = [line.split("(", 2)[2].split(")")[0] for line in summary_text(
+        model, input_shape=(4,)).splitlines()[4:8]]
     assert [f"({s})" for s in shapes] == theirs == ["(None, 8)"] * 3 + ["(None, 3)"]
     model.compile("sgd", "cross_entropy")
     x, y, _ = data(16)
     model.fit(x, y, batch_size=8, verbose=0)
-    assert model.summary(print_fn=lambda text: None) == model.summary(
-        input_shape=(4,), print_fn=lambda text: None)
+    assert summary_text(model) == summary_text(model, input_shape=(4,))
     with pytest.raises(TypeError, match="input_shape"):
         model.summary(input_shape="4")
+
+
+def test_summary_returns_none_so_a_notebook_shows_the_table_once(keras, capsys):
+    """summary() printed the table and returned it, so a notebook cell ending in
+    model.summary() showed it twice; Keras's summary prints and returns None, and hands
+    the text to print_fn instead of printing it."""
+    twin = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    assert twin.summary(print_fn=lambda text, **kw: None) is None
+    model = fitdp.Model(small_net())
+    assert model.summary() is None
+    printed = capsys.readouterr().out
+    assert printed.count("Total params") == 1
+    assert summary_text(model) + "\n" == printed
 
 
 # -- train_on_batch -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ metrics on sigmoid/softmax probabilities."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -112,3 +113,37 @@ def test_fit_with_keras_names_matches_the_keras_twin(keras: Any) -> None:
     assert set(theirs.history) <= set(ours.history) | {"learning_rate"}
     twins.close(ours.history, theirs.history, ["loss", "accuracy", "weighted_accuracy"])
     assert twins.same_weights(model, twin, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+def test_adam_name_is_torchs_adam_whose_epsilon_differs_from_keras(keras: Any) -> None:
+    """compile("adam") is torch.optim.Adam with torch's defaults (eps=1e-8 added to the
+    bias-corrected sqrt(v_hat)), not Keras's Adam (epsilon=1e-7 added to sqrt(v) before the
+    bias correction, keras/src/optimizers/adam.py ``update_step``): docs/keras-lightning.md's
+    differences table says so. With gradients near epsilon (inputs scaled by 1e-6) fitdp
+    trains as a hand-written torch Adam loop and visibly not as the Keras twin."""
+    x, y, _ = twins.data(16)
+    x = x * 1e-6
+    model = twins.fitdp_model(metrics=False)
+    model.compile("adam", "cross_entropy", lr=0.1)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, devices=["cpu"])
+    assert model.optimizers["0"].defaults["eps"] == 1e-8
+    ref = twins.linear()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        for sl in (slice(0, 8), slice(8, 16)):
+            opt.zero_grad()
+            F.cross_entropy(ref(x[sl]), y[sl]).backward()
+            opt.step()
+    torch.testing.assert_close(dict(model.module.named_parameters()),
+                               dict(ref.named_parameters()))
+    twin = twins.keras_model(keras, metrics=False)
+    assert keras.optimizers.Adam().epsilon == 1e-7
+    twin.compile(optimizer=keras.optimizers.Adam(0.1),
+                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    twin.fit(*twins.np_(x, y), batch_size=8, epochs=2, shuffle=False, verbose=0)
+    ours, theirs = model.get_weights()["weight"], twins.keras_weights(twin)[0]
+    assert float((ours - torch.from_numpy(theirs)).abs().max()) > 0.1
+    page = (Path(__file__).parents[2] / "docs" / "keras-lightning.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith('| `"adam"`'))
+    assert "1e-7" in row and "1e-8" in row and "torch.optim.Adam" in row

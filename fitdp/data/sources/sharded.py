@@ -33,10 +33,11 @@ class ShardedSource:
         self.steps_done = 0
         batches = source.num_batches
         if batches is None:
-            fail("x", type(source).__name__, "data whose number of batches is known under "
+            fail("x", _users_data(source), "data whose number of batches is known under "
                  "torch.distributed (each rank must run as many steps as the others)",
-                 "pass a DataLoader, a Dataset, tensors or a BucketIterator (a generator "
-                 "has no length)", error=ValueError, described=True)
+                 "give the dataset a __len__, or pass a DataLoader, a Dataset, tensors or a "
+                 "BucketIterator (a generator has no length)", error=ValueError,
+                 described=True)
         self.steps = -(-batches // world_size)
 
     @property
@@ -71,3 +72,12 @@ class ShardedSource:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.source.load_state_dict(state)
         self.steps_done = int(state["position"]) // self.world_size
+
+
+def _users_data(source: DataSource) -> str:
+    """What the user passed, in their words (the source that wraps it is fitdp's)."""
+    stream = getattr(source, "stream", None)
+    if stream is not None:
+        return f"an IterableDataset ({type(stream).__name__}) without __len__"
+    loader = getattr(source, "loader", None)
+    return f"a {type(loader if loader is not None else source).__name__} without __len__"
