@@ -65,7 +65,7 @@ class ModuleState:
         # The host tensors themselves, no copy: a save serialises them before returning.
         return self.module.state_dict()
 
-    def problem(self, state: Any) -> None:
+    def problem(self, state: Any, checkpoint: Any) -> None:
         """Raises ``error`` (naming the first mismatching tensor) when ``state`` does not fit."""
         check_weights(self.module.state_dict(), state, origin=self.origin,
                       strict=self.strict, error=self.error)
@@ -252,9 +252,7 @@ class ModelIO:
         state = read_state(path)
         wait_for_snapshots()
         objects = self._checkpoint_objects(path)
-        later = ("callbacks", "rng")
-        restore({k: v for k, v in objects.items() if k not in later}, state, path,
-                required=("module", "run"))
+        restore(objects, state, path, required=("module", "run"), later=("callbacks", "rng"))
         session = self._session
         if session is not None:
             cbs = session.plan.callbacks
