@@ -49,6 +49,48 @@ class MetricSpec:
         self.metric: Metric | None = None if isinstance(metric, str) else metric
         self.output, self.weighted, self.binary_loss = output, weighted, binary_loss
         self.prepare: Prepare | None = None
+        # What a resume put back (``restore``): the updates the saved states hold, which
+        # torchmetrics' own count (updates in this process; it has no public setter) lacks,
+        # and states waiting for a Keras name to be built.
+        self.restored = 0
+        self.pending: list[tuple[Mapping[str, Any], int]] = []
+
+    @property
+    def updates(self) -> int:
+        """Updates since the last reset, those before a resume included."""
+        return self.restored + (self.metric.update_count if self.metric is not None else 0)
+
+    def reset(self) -> None:
+        """Forget every update (torchmetrics' ``reset``) and what a resume put back."""
+        if self.metric is not None:
+            self.metric.reset()
+        self.restored, self.pending = 0, []
+
+    def restore(self, state: Mapping[str, Any], updates: int) -> None:
+        """Put back ``state`` (a ``metric_state`` saved after ``updates`` updates) through
+        torchmetrics' public API: as the metric's states when it holds none yet (after
+        ``reset``: no cached value survives), else merged in with ``merge_state``. A Keras
+        name gets them right after it is built, before its first update.
+
+        Raises:
+            ValueError: ``state`` holds other states than the metric's.
+        """
+        metric = self.metric
+        if metric is None:
+            self.pending.append((state, updates))
+            return
+        problem = state_problem(metric, state)
+        if problem:
+            raise ValueError(f"metrics: {problem}. Fix: resume with the metrics the "
+                             f"checkpoint was saved with.")
+        values = state_on_device(state, metric.device)
+        if self.updates == 0:
+            metric.reset()
+            for key, value in values.items():
+                setattr(metric, key, value)  # its declared states (``add_state``)
+        else:
+            metric.merge_state(values)
+        self.restored += updates
 
     def on(self, device: torch.device) -> MetricSpec:
         """A fresh copy for ``device`` (the template is never updated)."""
@@ -70,11 +112,33 @@ class MetricSpec:
             # compute() may run on a clone with other devices' states merged in: no cache.
             metric.compute_with_cache = False
             self.metric = metric = metric.to(outputs.device)
+            pending, self.pending = self.pending, []
+            for state, updates in pending:
+                self.restore(state, updates)
         if self.prepare is not None:
             metric.update(*self.prepare(outputs, labels, weight))
         else:
             metric.update(outputs, labels)
         return metric
+
+
+def state_problem(metric: Metric, state: Any) -> str | None:
+    """Why ``state`` is not a saved ``metric_state`` of ``metric``, or None."""
+    if not isinstance(state, Mapping):
+        return f"{type(metric).__name__}: got {type(state).__name__}, not a metric state"
+    if set(state) != set(metric.metric_state):
+        return (f"the saved states {sorted(state)} are not those of this model's "
+                f"{type(metric).__name__} ({sorted(metric.metric_state)})")
+    return None
+
+
+def state_on_device(state: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """``state`` (a ``metric_state``) on ``device``: no copy where it already is."""
+    return {
+        k: v.to(device) if isinstance(v, torch.Tensor)
+        else [t.to(device) if isinstance(t, torch.Tensor) else t for t in v]
+        for k, v in state.items()
+    }
 
 
 def metric_specs(metrics: Any, weighted_metrics: Any = None,
