@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fitdp.call.plan import FitPlan
-from fitdp.checks import check_choice, check_path
+from fitdp.checks import check_choice, check_path, fail
 from fitdp.compiled.setup import PRECISIONS
 from fitdp.data.sources import SourcePlan
 from fitdp.executor.fence import hold, wait_for_snapshots
@@ -172,9 +172,13 @@ class ModelIO:
 
         Raises:
             ValueError: ``path`` is a folder or a special file (sharded: an existing file,
-                or a folder of other files). OSError: the write failed (the previous
-                checkpoint is untouched).
+                or a folder of other files). TypeError: ``async_save`` or ``sharded`` is not
+                a bool. OSError: the write failed (the previous checkpoint is untouched).
         """
+        for name, flag in (("async_save", async_save), ("sharded", sharded)):
+            if not isinstance(flag, bool) and not (name == "sharded" and flag is None):
+                fail(name, flag, "True or False" + (" (or None: sharded under "
+                     "strategy='fsdp')" if name == "sharded" else ""), error=TypeError)
         if self._shards() if sharded is None else sharded:
             self._save_sharded(sharded_path("path", path), async_save)
             return
