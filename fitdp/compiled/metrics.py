@@ -188,23 +188,20 @@ class DeviceMetrics:
         return logs
 
     def state_dict(self) -> list[dict[str, dict[str, Any]]]:
-        """Every clone's states and update count, per device (copies: updates go on). States
-        a resume put back for a Keras name not built since stay in: at their device, and
-        those merged there after them as further devices (merged back on load)."""
-        out: list[dict[str, dict[str, Any]]] = [{} for _ in self.specs]
-        extra: list[dict[str, dict[str, Any]]] = []
-        for d, specs in enumerate(self.specs):
+        """Every clone's states and update count, per device (copies: updates go on), and
+        for a Keras name what its metric was built from (no rows), so a resume builds it."""
+        out: list[dict[str, dict[str, Any]]] = []
+        for specs in self.specs:
+            saved: dict[str, dict[str, Any]] = {}
             for name, spec in specs.items():
-                if spec.metric is not None:
-                    out[d][name] = {"state": _copied(spec.metric.metric_state),
-                                    "updates": spec.updates}
-                for k, (state, updates) in enumerate(spec.pending):
-                    entry = {"state": _copied(state), "updates": updates}
-                    if k == 0:
-                        out[d][name] = entry
-                    else:
-                        extra.append({name: entry})
-        return out + extra
+                if spec.metric is None:
+                    continue
+                saved[name] = {"state": _copied(spec.metric.metric_state),
+                               "updates": spec.updates}
+                if spec.built_from is not None:
+                    saved[name]["built_from"] = list(spec.built_from)
+            out.append(saved)
+        return out
 
     def state_problem(self, state: Any) -> str | None:
         """Why ``state`` (a ``state_dict``) cannot load into these metrics, or None."""
@@ -217,6 +214,8 @@ class DeviceMetrics:
                 if not isinstance(entry, Mapping) or not isinstance(entry.get("updates"), int):
                     return f"metric {name!r}: not a saved metric state"
                 metric = self.specs[min(d, len(self.specs) - 1)][name].metric
+                if metric is None and not _tensors(entry.get("built_from"), 2):
+                    return f"metric {name!r}: saved without what its Keras metric is built from"
                 problem = state_problem(metric, entry.get("state")) if metric else None
                 if problem:
                     return f"metric {name!r}: {problem}"
@@ -230,7 +229,7 @@ class DeviceMetrics:
             for name, entry in saved.items():
                 if name in self.templates and entry["updates"]:
                     spec = self.specs[min(d, len(self.specs) - 1)][name]
-                    spec.restore(entry["state"], int(entry["updates"]))
+                    spec.restore(entry["state"], int(entry["updates"]), entry.get("built_from"))
 
     @staticmethod
     def _compute_one(specs: Sequence[MetricSpec]) -> Any:
@@ -337,6 +336,11 @@ def _merged(target: Metric, others: Sequence[Metric]) -> Iterator[None]:
 def _state_on(metric: Metric, device: torch.device) -> dict[str, Any]:
     """``metric``'s states on ``device`` (no copy where they already are)."""
     return state_on_device(metric.metric_state, device)
+
+
+def _tensors(value: Any, count: int) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == count
+            and all(isinstance(t, torch.Tensor) for t in value))
 
 
 def _copied(state: Mapping[str, Any]) -> dict[str, Any]:

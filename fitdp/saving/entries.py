@@ -258,12 +258,16 @@ def restore(objects: Mapping[str, Stateful], state: Mapping[str, Any], origin: s
         if key not in state:
             raise CheckpointError(f"{origin}: not a training checkpoint (no {key!r} entry)")
     for key, obj in objects.items():
+        if state.get(key) is None:
+            continue
         check = getattr(obj, "problem", None)
-        if check is not None and state.get(key) is not None:
-            problem = check(state[key], state)
-            if problem:
-                raise CheckpointError(f"{origin}: {key} state does not fit this model: "
-                                      f"{problem}; nothing was loaded")
+        # Every object's state_dict is a dict (torch's scheduler and GradScaler too).
+        problem = (f"it is {type(state[key]).__name__}, not a state dict"
+                   if not isinstance(state[key], Mapping) else
+                   check(state[key], state) if check is not None else None)
+        if problem:
+            raise CheckpointError(f"{origin}: {key} state does not fit this model: "
+                                  f"{problem}; nothing was loaded")
     for key, obj in objects.items():
         if state.get(key) is not None and key not in later:
             obj.load_state_dict(state[key])

@@ -170,3 +170,64 @@ def test_a_checkpoint_of_other_data_is_refused_before_anything_loads(tmp_path):
     with pytest.raises(fitdp.CheckpointError, match=r"data state does not fit.*\['seed'\]"):
         model.fit(X, Y, batch_size=8, epochs=3, verbose=0, resume=path)
     assert_same(snapshot(model), before)
+
+
+def scheduled_model() -> fitdp.Model:
+    torch.manual_seed(4)
+    model = fitdp.Model(net())
+    model.compile("adam", lr=0.01, loss="cross_entropy",
+                  lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
+    return model
+
+
+@pytest.mark.parametrize(("key", "bad"), [
+    ("rng", {"torch": torch.zeros(2, dtype=torch.uint8)}),  # no python/numpy states
+    ("scheduler", [0.5]),
+    ("run", {"epoch": "1", "epoch_done": True, "global_step": 4, "batch": 0}),
+    ("callbacks", {"History": 3}),
+    ("logs", {"loss": 1.5}),
+])
+def test_a_damaged_entry_is_refused_before_any_entry_loads(tmp_path, key, bad):
+    """Regression (STYLE.md item 18, "every entry is checked before anything is applied"):
+    a resume whose RNG, scheduler, run, callback or epoch-log entry could not load failed
+    after the weights and optimizer state were written (the RNG and callbacks after
+    on_train_begin, the logs at the first batch). Each is a CheckpointError naming the entry,
+    and the model is as it was."""
+    path = str(tmp_path / "run.ckpt")
+    saver = scheduled_model()
+    saver.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[ModelCheckpoint(path)])
+    state = fitdp.saving.checkpoint.load_checkpoint(path)
+    if key == "logs":  # a mid-epoch checkpoint holds the epoch's logs
+        state["run"] = {**state["run"], "epoch_done": False, "batch": 2}
+    state[key] = bad
+    fitdp.saving.checkpoint.save_checkpoint(path, state)
+    model = scheduled_model()
+    model.fit(X[:8], Y[:8], batch_size=8, epochs=1, verbose=0)
+    before = snapshot(model)
+    with pytest.raises(fitdp.CheckpointError, match=rf"{key} state does not fit this model"):
+        model.fit(X, Y, batch_size=8, epochs=3, verbose=0, resume=path)
+    assert_same(snapshot(model), before)
+
+
+def keras_metric_model() -> fitdp.Model:
+    torch.manual_seed(5)
+    model = fitdp.Model(net())
+    model.compile("sgd", lr=0.1, loss="cross_entropy", metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("crash_at", [2, 4])  # mid-epoch; after the epoch's last batch
+def test_a_mid_epoch_resume_with_a_keras_metric_name_logs_the_uninterrupted_numbers(
+        tmp_path, crash_at):
+    """Regression: a fit compiled with metrics=["accuracy"] (a Keras name, built on the
+    first batch) and resumed mid-epoch raised KeyError 'accuracy' after the weights were
+    loaded. It resumes, and History equals the uninterrupted run's (checkpoints.md: the
+    resumed epoch's metrics equal the uninterrupted run's), also when no batch of the
+    epoch is left to build the metric."""
+    kw = dict(batch_size=8, epochs=2, verbose=0, seed=1, devices=["cpu", "cpu"])
+    reference = keras_metric_model().fit(X, Y, **kw).history
+    ckpt = ModelCheckpoint(str(tmp_path / "c-{step:03d}.ckpt"), save_freq=1)
+    with pytest.raises(KeyboardInterrupt):
+        keras_metric_model().fit(X, Y, callbacks=[ckpt, crash_after(crash_at)], **kw)
+    resumed = keras_metric_model().fit(X, Y, callbacks=[ckpt], resume="latest", **kw)
+    assert resumed.history == reference
