@@ -126,11 +126,16 @@ def crash_after(batches: int) -> LambdaCallback:
     return LambdaCallback(on_train_batch_end=end)
 
 
-def stream_model() -> fitdp.Model:
+def model_of(**compile_kw: Any) -> fitdp.Model:
+    """The same initial weights every time, compiled with ``compile_kw``."""
     torch.manual_seed(3)
     model = fitdp.Model(net())
-    model.compile("adam", lr=0.01, loss="cross_entropy")
+    model.compile(loss="cross_entropy", **compile_kw)
     return model
+
+
+def stream_model() -> fitdp.Model:
+    return model_of(optimizer="adam", lr=0.01)
 
 
 def test_a_refused_stream_resume_leaves_the_model_as_it_was(tmp_path):
@@ -173,11 +178,8 @@ def test_a_checkpoint_of_other_data_is_refused_before_anything_loads(tmp_path):
 
 
 def scheduled_model() -> fitdp.Model:
-    torch.manual_seed(4)
-    model = fitdp.Model(net())
-    model.compile("adam", lr=0.01, loss="cross_entropy",
-                  lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
-    return model
+    return model_of(optimizer="adam", lr=0.01,
+                    lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
 
 
 @pytest.mark.parametrize(("key", "bad"), [
@@ -210,10 +212,7 @@ def test_a_damaged_entry_is_refused_before_any_entry_loads(tmp_path, key, bad):
 
 
 def keras_metric_model() -> fitdp.Model:
-    torch.manual_seed(5)
-    model = fitdp.Model(net())
-    model.compile("sgd", lr=0.1, loss="cross_entropy", metrics=["accuracy"])
-    return model
+    return model_of(optimizer="sgd", lr=0.1, metrics=["accuracy"])
 
 
 @pytest.mark.parametrize("crash_at", [2, 4])  # mid-epoch; after the epoch's last batch
