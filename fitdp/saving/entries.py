@@ -85,7 +85,7 @@ class OptimizerState:
 
 
 def _rng_problem(state: Any, checkpoint: Mapping[str, Any]) -> str | None:
-    if not isinstance(state, Mapping) or {"torch", "python", "numpy"} - set(state):
+    if {"torch", "python", "numpy"} - set(state):
         return "it is not a random state saved by fitdp (torch, python and numpy entries)"
     return None
 
@@ -129,7 +129,7 @@ class EpochLogs:
 
     def problem(self, state: Any, checkpoint: Mapping[str, Any]) -> str | None:
         """Why ``state`` cannot go on in this call (its metrics are another model's)."""
-        if not isinstance(state, Mapping) or not isinstance(state.get("loss"), list):
+        if not isinstance(state.get("loss"), list):
             return "it is not an epoch's running logs"
         if self.metrics and state.get("metrics") is not None:
             return self.metrics.state_problem(state["metrics"])
