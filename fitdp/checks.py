@@ -154,7 +154,7 @@ def check_choice(name: str, value: Any, choices: Collection[Any], fix: str = "")
     try:
         if value in choices and not isinstance(value, bool):
             return value
-    except TypeError:  # unhashable value against a set of choices
+    except (TypeError, ValueError):  # unhashable against a set; an array's == is per element
         pass
     fail(name, value, "one of " + ", ".join(repr(c) for c in choices), fix)
 

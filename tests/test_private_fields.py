@@ -16,13 +16,16 @@ ROOT = Path(fitdp.__file__).resolve().parent
 TORCH_FIELDS = {"_parameters", "_buffers", "_modules"}
 
 
-def private_names(tree: ast.AST) -> set[str]:
-    """The private names a file defines: functions, classes, class fields, ``self._x = ...``."""
+def private_names(tree: ast.AST, *, own: bool = False) -> set[str]:
+    """The private names a file defines: functions, classes, class fields, ``self._x = ...``
+    (and ``other._x = ...``, unless ``own``: that may be another library's field)."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and not (
+                own and not (isinstance(node.value, ast.Name)
+                             and node.value.id in ("self", "cls"))):
             names.add(node.attr)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
@@ -78,3 +81,40 @@ def test_the_check_sees_a_foreign_private_read_through_getattr():
         "b.py": ast.parse("def save(cb):\n    return getattr(cb.model, '_replicas', None)\n"),
     }
     assert foreign_private_access(files) == ["b.py:2: getattr(cb.model, '_replicas', None)"]
+
+
+# The flag an LR scheduler's patched ``optimizer.step`` sets (torch's scheduler contract, no
+# public form): the sharded step calls the class's step per shard and records it the same way.
+TORCH_STEP_FLAG = {"_opt_called"}
+
+
+def foreign_private_writes(files: dict[str, ast.AST]) -> list[str]:
+    """Writes to a private field no fitdp object has: another library's internals."""
+    owned = (set().union(*(private_names(t, own=True) for t in files.values())) | TORCH_FIELDS
+             | TORCH_STEP_FLAG)
+    found = []
+    for name, tree in files.items():
+        for node in ast.walk(tree):
+            target, attr = reached(node)
+            stored = (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                      or isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr")
+            if (stored and attr and attr.startswith("_") and not attr.startswith("__")
+                    and attr not in owned):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_writes_another_librarys_private_fields():
+    """Regression (issue 28 item 14): a resume wrote torchmetrics' private ``_update_count``
+    and ``_computed``; another library's internals change without notice (the ecosystem
+    rule), so fitdp goes through their public API."""
+    files = {str(p.relative_to(ROOT)): ast.parse(p.read_text()) for p in ROOT.rglob("*.py")}
+    assert foreign_private_writes(files) == []
+
+
+def test_the_check_sees_a_foreign_private_write():
+    files = {"a.py": ast.parse("def load(m, n):\n    m._update_count = n\n"
+                               "    setattr(m, '_computed', None)\n    m._own = 1\n"),
+             "b.py": ast.parse("class Own:\n    def __init__(self):\n        self._own = 0\n")}
+    assert foreign_private_writes(files) == ["a.py:2: m._update_count",
+                                             "a.py:3: setattr(m, '_computed', None)"]

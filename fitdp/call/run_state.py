@@ -69,6 +69,14 @@ class RunState:
                 "global_step": self.global_step, "batch": self.batch,
                 "data_epoch": self.data_epoch}
 
+    def problem(self, state: Any, checkpoint: Mapping[str, Any]) -> str | None:
+        """Why ``state`` is not a run position to load, or None."""
+        keys = ("epoch", "epoch_done", "global_step", "batch")
+        if not isinstance(state, Mapping) or not all(isinstance(state.get(k), int)
+                                                     for k in keys):
+            return f"it is not a run position (integers {list(keys)})"
+        return None
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.epoch, self.epoch_done = int(state["epoch"]), bool(state["epoch_done"])
         self.global_step, self.batch = int(state["global_step"]), int(state["batch"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -391,12 +391,30 @@ class Session:
         self.logs = {}
 
     def data_position(self) -> Entry:
-        """The training data's position at the last optimizer step, as a checkpoint entry."""
+        """The training data's position at the last optimizer step, as a checkpoint entry;
+        checked by the source (``check_resume``) before a resume changes anything."""
         def load(state: dict[str, Any]) -> None:
             self.plan.source.load_state_dict(state)
             self.data_state = state
 
-        return Entry(lambda: self.data_state, load)
+        def check(state: Any, checkpoint: Mapping[str, Any]) -> str | None:
+            source_check = getattr(self.plan.source, "check_resume", None)
+            if source_check is None:
+                return None
+            return source_check(state, continues=self._continues(checkpoint["run"]))
+
+        return Entry(lambda: self.data_state, load, check)
+
+    def _continues(self, run: Mapping[str, Any]) -> bool:
+        """Whether a fit resumed at ``run`` (a checked run state) reads its data on from the
+        saved position: an epoch left in the middle, or any with ``steps_per_epoch`` (the
+        data runs on across epochs); else the next epoch starts the data afresh."""
+        plan = self.plan
+        assert isinstance(plan, FitPlan)  # noqa: S101 - a resume is a fit's
+        next_epoch = run["epoch"] + 1 if run["epoch_done"] else run["epoch"]
+        if next_epoch >= plan.epochs:
+            return False
+        return plan.steps is not None or (not run["epoch_done"] and run["batch"] > 0)
 
     def rollback(self) -> None:
         """After a failure: drop the gradients and the position of batches not stepped, and

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from fitdp.callbacks.base import HOOK_ALIASES, HOOKS, Callback
@@ -132,6 +132,13 @@ class CallbackList:
             if isinstance(state, dict) and state:
                 states[key] = state
         return states
+
+    def problem(self, states: Mapping[str, Any], checkpoint: Mapping[str, Any]) -> str | None:
+        """Why ``states`` cannot load (checked with the rest of a checkpoint, before any
+        entry is applied), or None."""
+        if not all(isinstance(s, Mapping) for s in states.values()):
+            return "it is not a dict of callback states by state_key"
+        return None
 
     def load_state_dict(self, states: dict[str, Any]) -> None:
         """Give each callback the state saved under its key; keys nobody has are ignored.

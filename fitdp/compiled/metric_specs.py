@@ -49,32 +49,109 @@ class MetricSpec:
         self.metric: Metric | None = None if isinstance(metric, str) else metric
         self.output, self.weighted, self.binary_loss = output, weighted, binary_loss
         self.prepare: Prepare | None = None
+        # A Keras name's metric is built from the first outputs and targets it sees, by
+        # their shapes and dtypes only (``task_of``): kept without rows, so that a resume
+        # builds the same metric before any batch (``restore``).
+        self.built_from: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.device: torch.device | None = None  # a clone's (``on``)
+        # The updates the states a resume put back hold: torchmetrics' own count (updates
+        # in this process) has no public setter.
+        self.restored = 0
+
+    @property
+    def updates(self) -> int:
+        """Updates since the last reset, those before a resume included."""
+        return self.restored + (self.metric.update_count if self.metric is not None else 0)
+
+    def reset(self) -> None:
+        """Forget every update (torchmetrics' ``reset``) and what a resume put back."""
+        if self.metric is not None:
+            self.metric.reset()
+        self.restored = 0
+
+    def restore(self, state: Mapping[str, Any], updates: int,
+                built_from: Sequence[torch.Tensor] | None = None) -> None:
+        """Put back ``state`` (a ``metric_state`` saved after ``updates`` updates) through
+        torchmetrics' public API: as the metric's states when it holds none yet (after
+        ``reset``: no cached value survives), else merged in with ``merge_state``. A Keras
+        name not built yet is built first, from the saved ``built_from``.
+
+        Raises:
+            ValueError: ``state`` holds other states than the metric's, or a Keras name
+                comes without what it was built from.
+        """
+        if self.metric is None:
+            if built_from is None:
+                raise ValueError(f"metrics: {self.name!r} was saved without what it was "
+                                 f"built from. Fix: resume from a checkpoint of an epoch's end.")
+            outputs, labels = (t.to(self.device) for t in built_from)
+            self.build(outputs, labels)
+        metric = self.metric
+        assert metric is not None  # noqa: S101 - built above
+        problem = state_problem(metric, state)
+        if problem:
+            raise ValueError(f"metrics: {problem}. Fix: resume with the metrics the "
+                             f"checkpoint was saved with.")
+        values = state_on_device(state, metric.device)
+        if self.updates == 0:
+            metric.reset()
+            for key, value in values.items():
+                setattr(metric, key, value)  # its declared states (``add_state``)
+        else:
+            metric.merge_state(values)
+        self.restored += updates
 
     def on(self, device: torch.device) -> MetricSpec:
         """A fresh copy for ``device`` (the template is never updated)."""
         spec = copy.deepcopy(self)
+        spec.device = device
         if spec.metric is not None:
             spec.metric = spec.metric.to(device)
         return spec
+
+    def build(self, outputs: torch.Tensor, labels: torch.Tensor) -> Metric:
+        """The metric, a Keras name's built first from these outputs and targets (on their
+        device)."""
+        if self.metric is None:
+            metric, self.prepare = build_metric(
+                str(self.name), outputs, labels, binary_loss=self.binary_loss,
+                weighted=self.weighted)
+            # compute() may run on a clone with other devices' states merged in: no cache.
+            metric.compute_with_cache = False
+            self.metric = metric.to(outputs.device)
+            self.built_from = (outputs[:0].detach(), labels[:0].detach())
+        return self.metric
 
     def update(self, outputs: Any, labels: Any, weight: torch.Tensor | None = None) -> Metric:
         """Update the metric with its output of ``outputs`` and ``labels`` (built first if
         it is a Keras name); returns the metric."""
         if self.output is not None:
             outputs, labels = outputs[self.output], labels[self.output]
-        metric = self.metric
-        if metric is None:
-            metric, self.prepare = build_metric(
-                str(self.name), outputs, labels, binary_loss=self.binary_loss,
-                weighted=self.weighted)
-            # compute() may run on a clone with other devices' states merged in: no cache.
-            metric.compute_with_cache = False
-            self.metric = metric = metric.to(outputs.device)
+        metric = self.build(outputs, labels)
         if self.prepare is not None:
             metric.update(*self.prepare(outputs, labels, weight))
         else:
             metric.update(outputs, labels)
         return metric
+
+
+def state_problem(metric: Metric, state: Any) -> str | None:
+    """Why ``state`` is not a saved ``metric_state`` of ``metric``, or None."""
+    if not isinstance(state, Mapping):
+        return f"{type(metric).__name__}: got {type(state).__name__}, not a metric state"
+    if set(state) != set(metric.metric_state):
+        return (f"the saved states {sorted(state)} are not those of this model's "
+                f"{type(metric).__name__} ({sorted(metric.metric_state)})")
+    return None
+
+
+def state_on_device(state: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """``state`` (a ``metric_state``) on ``device``: no copy where it already is."""
+    return {
+        k: v.to(device) if isinstance(v, torch.Tensor)
+        else [t.to(device) if isinstance(t, torch.Tensor) else t for t in v]
+        for k, v in state.items()
+    }
 
 
 def metric_specs(metrics: Any, weighted_metrics: Any = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -15,7 +16,14 @@ from torchmetrics.classification import (
 )
 
 from fitdp.checks import first_line, reworded
-from fitdp.compiled.metric_specs import MetricsArg, MetricSpec, metric_specs, snake_case
+from fitdp.compiled.metric_specs import (
+    MetricsArg,
+    MetricSpec,
+    metric_specs,
+    snake_case,
+    state_on_device,
+    state_problem,
+)
 from fitdp.data.batch import tree_cat, tree_leaves, tree_map
 from fitdp.data.sequence import batch_first
 
@@ -29,6 +37,8 @@ __all__ = ["DeviceMetrics", "MetricsArg", "MetricSpec", "metric_specs", "snake_c
 # probabilities on one device and as logits on the other.
 _SLICE_SAFE = (MulticlassStatScores, MulticlassConfusionMatrix, MulticlassExactMatch)
 _PER_UPDATE_FORMAT = ("torchmetrics.classification", "torchmetrics.wrappers")
+# torchmetrics' warning for a compute() on a metric it counts no update of.
+_BEFORE_UPDATE = r"The ``compute`` method of metric .* before the ``update`` method"
 
 
 class DeviceMetrics:
@@ -149,9 +159,9 @@ class DeviceMetrics:
     def reset(self) -> None:
         """Reset every clone (the start of an epoch, of an evaluation)."""
         self._pending = [None] * len(self.devices)
-        for clones in self.clones:
-            for m in clones.values():
-                m.reset()
+        for specs in self.specs:
+            for spec in specs.values():
+                spec.reset()
 
     def compute(self) -> dict[str, float]:
         """Merge the device clones and compute every metric (a host sync).
@@ -165,7 +175,7 @@ class DeviceMetrics:
         self.end_batch()  # slices updated outside an executor (no hand-off ended them)
         logs = {}
         for name in self.templates:
-            built = [c[name] for c in self.clones if name in c]
+            built = [specs[name] for specs in self.specs if specs[name].metric is not None]
             if not built:  # a Keras name that saw no batch (Keras: a fresh metric's 0)
                 logs[name] = 0.0
                 continue
@@ -180,43 +190,69 @@ class DeviceMetrics:
         return logs
 
     def state_dict(self) -> list[dict[str, dict[str, Any]]]:
-        """Every clone's states and update count, per device (copies: updates go on)."""
-        return [{name: {"state": {k: v.clone() if isinstance(v, torch.Tensor) else list(v)
-                                  for k, v in m.metric_state.items()},
-                        "updates": m.update_count}
-                 for name, m in clones.items()} for clones in self.clones]
+        """Every clone's states and update count, per device (copies: updates go on), and
+        for a Keras name what its metric was built from (no rows), so a resume builds it."""
+        out: list[dict[str, dict[str, Any]]] = []
+        for specs in self.specs:
+            saved: dict[str, dict[str, Any]] = {}
+            for name, spec in specs.items():
+                if spec.metric is None:
+                    continue
+                saved[name] = {"state": _copied(spec.metric.metric_state),
+                               "updates": spec.updates}
+                if spec.built_from is not None:
+                    saved[name]["built_from"] = list(spec.built_from)
+            out.append(saved)
+        return out
 
-    def load_state_dict(self, state: Sequence[Mapping[str, Mapping[str, Any]]]) -> None:
-        """Put saved states back (a resume); states of devices beyond these are merged
-        into the first device's clones (a resume on fewer devices)."""
+    def state_problem(self, state: Any) -> str | None:
+        """Why ``state`` (a ``state_dict``) cannot load into these metrics, or None."""
+        if not isinstance(state, list) or not all(isinstance(s, Mapping) for s in state):
+            return "the metric states are not a list of dicts, one per device"
         for d, saved in enumerate(state):
             for name, entry in saved.items():
-                if name not in self.templates or not entry["updates"]:
+                if name not in self.templates:
                     continue
-                m = self.clones[min(d, len(self.clones) - 1)][name]
-                values = _state_on_device(entry["state"], m.device)
-                if d < len(self.clones) or not m.update_count:
-                    for key, value in values.items():
-                        setattr(m, key, value)
-                    # torchmetrics keeps the count privately (no setter): compute() warns
-                    # on a metric it believes was never updated.
-                    m._update_count = int(entry["updates"])
-                else:
-                    m.merge_state(values)
-                m._computed = None
+                if not isinstance(entry, Mapping) or not isinstance(entry.get("updates"), int):
+                    return f"metric {name!r}: not a saved metric state"
+                metric = self.specs[min(d, len(self.specs) - 1)][name].metric
+                if metric is None and not _tensors(entry.get("built_from"), 2):
+                    return f"metric {name!r}: saved without what its Keras metric is built from"
+                problem = state_problem(metric, entry.get("state")) if metric else None
+                if problem:
+                    return f"metric {name!r}: {problem}"
+        return None
+
+    def load_state_dict(self, state: Sequence[Mapping[str, Mapping[str, Any]]]) -> None:
+        """Put saved states back (a resume), through torchmetrics' public API
+        (``MetricSpec.restore``); states of devices beyond these are merged into the last
+        device's clones (a resume on fewer devices)."""
+        for d, saved in enumerate(state):
+            for name, entry in saved.items():
+                if name in self.templates and entry["updates"]:
+                    spec = self.specs[min(d, len(self.specs) - 1)][name]
+                    spec.restore(entry["state"], int(entry["updates"]), entry.get("built_from"))
 
     @staticmethod
-    def _compute_one(clones: Sequence[Metric]) -> Any:
+    def _compute_one(specs: Sequence[MetricSpec]) -> Any:
         # A device that saw no rows adds nothing (its default state would otherwise count as
         # one more participant in a max or mean). With none updated, computing any clone
         # gives torchmetrics' own "compute before update" behaviour.
-        updated = [m for m in clones if m.update_count > 0] or [clones[0]]
-        if len(updated) == 1:
-            return updated[0].compute()
-        # merge_state needs an updated metric to merge into (its 'mean' rule divides by the
-        # target's update count), so the first updated clone is the target, lent for the call.
-        with _merged(updated[0], updated[1:]):
-            return updated[0].compute()
+        updated = [s for s in specs if s.updates > 0] or [specs[0]]
+        target = updated[0].metric
+        assert target is not None  # noqa: S101 - only built specs are computed
+        with warnings.catch_warnings():
+            if updated[0].restored:
+                # States a resume put back count as updates; torchmetrics counts only this
+                # process's and would call them "not yet updated".
+                warnings.filterwarnings("ignore", message=_BEFORE_UPDATE)
+            if len(updated) == 1:
+                return target.compute()
+            # merge_state needs an updated metric to merge into (its 'mean' rule divides by
+            # the target's update count), so the first updated clone is the target, lent for
+            # the call.
+            with _merged(target, [s.metric for s in updated[1:]]):  # type: ignore[misc]
+                return target.compute()
 
 
 def _reads_range(metric: Metric) -> bool:
@@ -301,15 +337,17 @@ def _merged(target: Metric, others: Sequence[Metric]) -> Iterator[None]:
 
 def _state_on(metric: Metric, device: torch.device) -> dict[str, Any]:
     """``metric``'s states on ``device`` (no copy where they already are)."""
-    return _state_on_device(metric.metric_state, device)
+    return state_on_device(metric.metric_state, device)
 
 
-def _state_on_device(state: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {
-        k: v.to(device) if isinstance(v, torch.Tensor)
-        else [t.to(device) if isinstance(t, torch.Tensor) else t for t in v]
-        for k, v in state.items()
-    }
+def _tensors(value: Any, count: int) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == count
+            and all(isinstance(t, torch.Tensor) for t in value))
+
+
+def _copied(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``metric_state`` that later updates do not change."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in state.items()}
 
 
 def _storage(t: torch.Tensor) -> int:

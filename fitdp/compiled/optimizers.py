@@ -145,6 +145,8 @@ def _built(name: str, factory: Callable[[Any], Any], arg: Any, example: str) -> 
 def optimizer_kind_problem(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
                            ) -> str | None:
     """Why ``state`` (an optimizer ``state_dict``) cannot load into ``optimizer``, or None."""
+    if not isinstance(state, Mapping):
+        return "it is not an optimizer state_dict"
     groups = state.get("param_groups")
     if not isinstance(groups, list) or not isinstance(state.get("state"), Mapping):
         return "it is not an optimizer state_dict"
@@ -155,7 +157,11 @@ def optimizer_kind_problem(optimizer: torch.optim.Optimizer, state: Mapping[str,
     if len(groups) != len(optimizer.param_groups):
         return (f"it has {len(groups)} parameter groups, but this model's {kind} has "
                 f"{len(optimizer.param_groups)}")
+    if isinstance(optimizer, MultiOptimizer):
+        return _parts_problem(optimizer, state.get("optimizers"))
     for i, (saved, ours) in enumerate(zip(groups, optimizer.param_groups)):
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), list):
+            return f"its group {i} is not a parameter group"
         if len(saved["params"]) != len(ours["params"]):
             return (f"its group {i} has {len(saved['params'])} parameters, but this model's "
                     f"has {len(ours['params'])}")
@@ -164,6 +170,20 @@ def optimizer_kind_problem(optimizer: torch.optim.Optimizer, state: Mapping[str,
         if missing and extra:
             return (f"its hyperparameters {extra} are not those of this model's {kind} "
                     f"({missing}): it comes from another kind of optimizer")
+    return None
+
+
+def _parts_problem(optimizer: MultiOptimizer, parts: Any) -> str | None:
+    """Why ``parts`` (a ``MultiOptimizer`` state's optimizers by name) cannot load into
+    ``optimizer``'s, or None: other names, or a part of another kind or shape."""
+    if not isinstance(parts, Mapping) or set(parts) != set(optimizer.optimizers):
+        names = sorted(parts) if isinstance(parts, Mapping) else None
+        return (f"it holds the optimizers {names}, but this model was compiled with "
+                f"{sorted(optimizer.optimizers)}; compile with the names it was saved with")
+    for name, opt in optimizer.optimizers.items():
+        problem = optimizer_kind_problem(opt, parts[name])
+        if problem:
+            return f"optimizer {name!r}: {problem}"
     return None
 
 

@@ -300,16 +300,24 @@ class BucketIterator:
         """Seed, epoch and batches already yielded in this epoch (plain ints)."""
         return {"seed": self.seed, "epoch": self._epoch, "position": self._position}
 
+    def check_resume(self, state: Any, *, continues: bool = True) -> str | None:
+        """Why ``state`` cannot load (see ``load_state_dict``), or None."""
+        if not isinstance(state, Mapping):
+            return f"got {type(state).__name__}; expected a state_dict() result."
+        if missing := {"seed", "epoch", "position"} - set(state):
+            return f"lacks {sorted(missing)}; expected a state_dict() result."
+        if not 0 <= int(state["position"]) <= self._num_batches:
+            return (f"position {state['position']} does not fit this iterator's "
+                    f"{self._num_batches} batches per epoch. Fix: build the iterator with the "
+                    "same sequences, batch_size and buckets as the run that saved it.")
+        return None
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where ``state`` left off (``set_epoch`` after it would restart the epoch);
         a ValueError if a key is missing or the position does not fit this data."""
-        if missing := {"seed", "epoch", "position"} - set(state):
-            raise ValueError(f"state: lacks {sorted(missing)}; expected a state_dict() result.")
-        if not 0 <= int(state["position"]) <= self._num_batches:
-            raise ValueError(
-                f"state: position {state['position']} does not fit this iterator's "
-                f"{self._num_batches} batches per epoch. Fix: build the iterator with the same "
-                "sequences, batch_size and buckets as the run that saved it.")
+        problem = self.check_resume(state)
+        if problem:
+            raise ValueError(f"state: {problem}")
         self.seed, self._epoch = int(state["seed"]), int(state["epoch"])
         self._position = int(state["position"])
         self._restarts += 1

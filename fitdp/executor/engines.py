@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fitdp.checks import check_int, check_number
 from fitdp.executor.sharing import replica
 
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -85,10 +86,17 @@ def check_strategy(value: Any) -> Strategy:
         ValueError, TypeError: naming what was received and what is expected.
     """
     if isinstance(value, FSDP):
-        bad = [b for b in value.blocks if not (isinstance(b, type) and issubclass(b, nn.Module))]
+        blocks = value.blocks if isinstance(value.blocks, (tuple, list)) else [value.blocks]
+        bad = [b for b in blocks if not (isinstance(b, type) and issubclass(b, nn.Module))]
         if bad:
             raise TypeError(f"strategy: FSDP(blocks=...) got {bad!r}; expected nn.Module "
                             f"classes, e.g. FSDP(blocks=(nn.TransformerEncoderLayer,))")
+        check_int("strategy: FSDP(min_params=...)", value.min_params, 0)
+        _check_flag("FSDP", "reshard_after_forward", value.reshard_after_forward)
+    if isinstance(value, DDP):
+        _check_flag("DDP", "static_graph", value.static_graph)
+        check_number("strategy: DDP(bucket_cap_mb=...)", value.bucket_cap_mb, low=0,
+                     low_open=True, fix="e.g. DDP(bucket_cap_mb=25), DDP's default")
     if isinstance(value, (DDP, FSDP)):
         return value
     if not isinstance(value, str) or value not in STRATEGIES:
@@ -96,6 +104,11 @@ def check_strategy(value: Any) -> Strategy:
                          f"fitdp.DDP(...)/fitdp.FSDP(...). Fix: strategy='auto' (DDP when each "
                          f"rank drives one device)")
     return value
+
+
+def _check_flag(kind: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"strategy: {kind}({name}=...) got {value!r}; expected True or False")
 
 
 def engine_for(strategy: Strategy, devices: Sequence[torch.device], world_size: int,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fitdp.call.plan import FitPlan
-from fitdp.checks import check_choice, check_path
+from fitdp.checks import check_choice, check_path, fail
 from fitdp.compiled.setup import PRECISIONS
 from fitdp.data.sources import SourcePlan
 from fitdp.executor.fence import hold, wait_for_snapshots
@@ -66,7 +66,7 @@ class ModuleState:
         # The host tensors themselves, no copy: a save serialises them before returning.
         return self.module.state_dict()
 
-    def problem(self, state: Any) -> None:
+    def problem(self, state: Any, checkpoint: Any) -> None:
         """Raises ``error`` (naming the first mismatching tensor) when ``state`` does not fit."""
         check_weights(self.module.state_dict(), state, origin=self.origin,
                       strict=self.strict, error=self.error)
@@ -174,9 +174,13 @@ class ModelIO:
 
         Raises:
             ValueError: ``path`` is a folder or a special file (sharded: an existing file,
-                or a folder of other files). OSError: the write failed (the previous
-                checkpoint is untouched).
+                or a folder of other files). TypeError: ``async_save`` or ``sharded`` is not
+                a bool. OSError: the write failed (the previous checkpoint is untouched).
         """
+        for name, flag in (("async_save", async_save), ("sharded", sharded)):
+            if not isinstance(flag, bool) and not (name == "sharded" and flag is None):
+                fail(name, flag, "True or False" + (" (or None: sharded under "
+                     "strategy='fsdp')" if name == "sharded" else ""), error=TypeError)
         if self._shards() if sharded is None else sharded:
             self._save_sharded(sharded_path("path", path), async_save)
             return
@@ -255,9 +259,7 @@ class ModelIO:
         state = read_state(path)
         wait_for_snapshots()
         objects = self._checkpoint_objects(path)
-        later = ("callbacks", "rng")
-        restore({k: v for k, v in objects.items() if k not in later}, state, path,
-                required=("module", "run"))
+        restore(objects, state, path, required=("module", "run"), later=("callbacks", "rng"))
         session = self._session
         if session is not None:
             cbs = session.plan.callbacks

@@ -35,8 +35,12 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...
 
 
+Check = Callable[[Any, Mapping[str, Any]], str | None]
+
+
 class Entry:
-    """A checkpoint entry made of two functions, for state that has no object of its own.
+    """A checkpoint entry made of two functions, for state that has no object of its own;
+    ``check(state, checkpoint)`` (optional) says why ``state`` cannot load (see ``restore``).
 
     Example:
         >>> box = {"n": 1}
@@ -44,14 +48,18 @@ class Entry:
         {'n': 5}
     """
 
-    def __init__(self, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
-        self.save, self.load = save, load
+    def __init__(self, save: Callable[[], Any], load: Callable[[Any], None],
+                 check: Check | None = None) -> None:
+        self.save, self.load, self.check = save, load, check
 
     def state_dict(self) -> Any:
         return self.save()
 
     def load_state_dict(self, state: Any) -> None:
         self.load(state)
+
+    def problem(self, state: Any, checkpoint: Mapping[str, Any]) -> str | None:
+        return self.check(state, checkpoint) if self.check is not None else None
 
 
 class OptimizerState:
@@ -68,7 +76,7 @@ class OptimizerState:
         return {**(whole_state(state) if self.whole else state),
                 "fitdp_class": type(self.optimizer).__name__}
 
-    def problem(self, state: Mapping[str, Any]) -> str | None:
+    def problem(self, state: Mapping[str, Any], checkpoint: Mapping[str, Any]) -> str | None:
         return optimizer_kind_problem(self.optimizer, state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -76,7 +84,13 @@ class OptimizerState:
         reshard_state(self.optimizer, to_host=False)  # (shards of FSDP2's parameters)
 
 
-RNG = Entry(capture_rng_state, restore_rng_state)
+def _rng_problem(state: Any, checkpoint: Mapping[str, Any]) -> str | None:
+    if {"torch", "python", "numpy"} - set(state):
+        return "it is not a random state saved by fitdp (torch, python and numpy entries)"
+    return None
+
+
+RNG = Entry(capture_rng_state, restore_rng_state, _rng_problem)
 
 
 class EpochLogs:
@@ -112,6 +126,14 @@ class EpochLogs:
         if not self.live:
             return None
         return self._now() if self.run.micro_step == 0 else self.marked
+
+    def problem(self, state: Any, checkpoint: Mapping[str, Any]) -> str | None:
+        """Why ``state`` cannot go on in this call (its metrics are another model's)."""
+        if not isinstance(state.get("loss"), list):
+            return "it is not an epoch's running logs"
+        if self.metrics and state.get("metrics") is not None:
+            return self.metrics.state_problem(state["metrics"])
+        return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pending = state
@@ -210,26 +232,44 @@ def _on_cpu(value: Any) -> Any:
 
 
 def restore(objects: Mapping[str, Stateful], state: Mapping[str, Any], origin: str,
-            *, required: Sequence[str] = ("module",)) -> None:
+            *, required: Sequence[str] = ("module",), later: Sequence[str] = ()) -> None:
     """Load ``state`` into ``objects`` (those it has an entry for), after checking every
-    entry it can check first: a checkpoint of another model changes nothing.
+    entry first: a checkpoint that does not fit changes nothing.
+
+    An object checks its entry with ``problem(state, checkpoint) -> str | None`` (the
+    reason it cannot load, or None; the whole checkpoint for an entry that depends on
+    another, like the data position on the run's); the module's weights raise their own
+    error, naming the tensor.
+
+    Args:
+        objects: the checkpoint's objects by key, in load order.
+        state: the loaded checkpoint.
+        origin: the file, for messages.
+        required: keys the checkpoint must have.
+        later: keys that are checked now but loaded by the caller later (``fit`` loads the
+            callbacks and the RNG after ``on_train_begin``).
 
     Raises:
-        CheckpointError: an entry of ``required`` is missing, or an optimizer state of
-            another kind or shape (the module's weights are checked by its own entry).
+        CheckpointError: an entry of ``required`` is missing, or an entry that does not fit
+            this model or this call (another kind of optimizer, other optimizer names, a
+            stream that cannot continue mid-epoch, ...).
     """
     for key in required:
         if key not in state:
             raise CheckpointError(f"{origin}: not a training checkpoint (no {key!r} entry)")
     for key, obj in objects.items():
+        if state.get(key) is None:
+            continue
         check = getattr(obj, "problem", None)
-        if check is not None and state.get(key) is not None:
-            problem = check(state[key])
-            if problem:
-                raise CheckpointError(f"{origin}: {key} state does not fit this model: "
-                                      f"{problem}; nothing was loaded")
+        # Every object's state_dict is a dict (torch's scheduler and GradScaler too).
+        problem = (f"it is {type(state[key]).__name__}, not a state dict"
+                   if not isinstance(state[key], Mapping) else
+                   check(state[key], state) if check is not None else None)
+        if problem:
+            raise CheckpointError(f"{origin}: {key} state does not fit this model: "
+                                  f"{problem}; nothing was loaded")
     for key, obj in objects.items():
-        if state.get(key) is not None:
+        if state.get(key) is not None and key not in later:
             obj.load_state_dict(state[key])
 
 

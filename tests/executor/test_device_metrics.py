@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import doctest
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -13,7 +14,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torchmetrics import Metric
-from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, MulticlassAccuracy
+from torchmetrics.classification import (
+    BinaryAccuracy,
+    BinaryAUROC,
+    MulticlassAccuracy,
+    MulticlassAUROC,
+)
 from torchmetrics.image import PeakSignalNoiseRatio
 from torchmetrics.regression import PearsonCorrCoef
 
@@ -308,3 +314,72 @@ def test_binary_metrics_read_logits_per_update() -> None:
 
 def test_docstring_example_runs() -> None:
     assert doctest.testmod(fitdp.compiled.metrics, extraglobs={"torch": torch}).failed == 0
+
+
+def _three_metrics(devices: int) -> DeviceMetrics:
+    """A sum state, cat states (read once per batch) and a Keras name (built on the first
+    update), on ``devices`` CPU devices."""
+    return DeviceMetrics({"acc": MulticlassAccuracy(num_classes=3, average="micro"),
+                          "auroc": MulticlassAUROC(num_classes=3), "keras": "accuracy"},
+                         [CPU] * devices)
+
+
+def _feed(dm: DeviceMetrics, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each batch split over the devices in order, as a step of the executor manager."""
+    for outputs, labels in batches:
+        for d, rows in enumerate(torch.arange(len(labels)).tensor_split(len(dm.devices))):
+            dm.update(d, outputs[rows], labels[rows])
+        dm.end_batch()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_metric_states_resume_exactly_through_torchmetrics_public_api(devices: int) -> None:
+    """Regression (issue 28 item 14): a resume wrote torchmetrics' private ``_update_count``
+    and ``_computed``. The states go back through the public API (``reset``, the declared
+    states, ``merge_state``) with the updates before the resume counted by fitdp: the
+    epoch goes on bit for bit as the uninterrupted one (torchmetrics' own reference: one
+    metric updated with every batch), with no "compute before update" warning. A Keras name
+    (built on its first update) resumes too: it raised KeyError."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(6, 3, generator=g), torch.randint(0, 3, (6,), generator=g))
+            for _ in range(4)]
+    whole = _three_metrics(devices)
+    _feed(whole, data)
+    stopped = _three_metrics(devices)
+    _feed(stopped, data[:2])
+    saved = copy.deepcopy(stopped.state_dict())
+    resumed = _three_metrics(devices)
+    resumed.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torchmetrics warns on a compute it counts no update of
+        assert resumed.compute() == stopped.compute()  # a Keras name built from the save
+        _feed(resumed, data[2:])
+        assert resumed.compute() == whole.compute()
+    assert copy.deepcopy(resumed.state_dict())[0]["acc"]["updates"] == 4
+    reference = MulticlassAccuracy(num_classes=3, average="micro")
+    for outputs, labels in data:
+        reference.update(outputs, labels)
+    assert resumed.compute()["acc"] == float(reference.compute())
+
+
+def test_metric_states_of_more_devices_merge_into_fewer_on_resume() -> None:
+    """A resume on fewer devices merges the extra devices' states (merge_state) into the
+    last clone: the epoch's value equals the uninterrupted run's."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(6, 3, generator=g), torch.randint(0, 3, (6,), generator=g))
+            for _ in range(4)]
+    stopped, whole = _three_metrics(3), _three_metrics(3)
+    _feed(stopped, data[:2])
+    _feed(whole, data)
+    resumed = _three_metrics(1)
+    resumed.load_state_dict(copy.deepcopy(stopped.state_dict()))
+    _feed(resumed, data[2:])
+    assert resumed.compute() == pytest.approx(whole.compute())
+
+
+def test_metric_states_of_another_metric_are_refused_before_loading() -> None:
+    saved = _three_metrics(1)
+    _feed(saved, [(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))])
+    other = DeviceMetrics({"acc": PeakSignalNoiseRatio(data_range=1.0)}, [CPU])
+    problem = other.state_problem(saved.state_dict())
+    assert problem is not None and problem.startswith("metric 'acc': the saved states")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.utils.data import IterableDataset
@@ -11,7 +11,7 @@ from torch.utils.data import IterableDataset
 from fitdp.checks import fail
 from fitdp.data.batch import DataBatch, tree_structure
 from fitdp.data.sources.convert import as_tensors
-from fitdp.data.sources.protocol import SourcePlan
+from fitdp.data.sources.protocol import SourcePlan, position_problem
 from fitdp.data.sources.tensors import epoch_generator, rebatched
 
 
@@ -132,21 +132,35 @@ class LoaderSource:
 
     def _continue_stream(self) -> None:
         """Put the stream where the batches consumed so far leave it, or refuse."""
-        name = type(self.stream).__name__
         if self._stream_state is None:
-            why = (f"with num_workers={getattr(self.loader, 'num_workers', 0)} its position "
-                   f"lives in the worker processes" if callable(
-                       getattr(self.stream, "state_dict", None)) else
-                   "it has no state_dict()/load_state_dict()")
-            fail("resume", f"a checkpoint taken mid-epoch ({self.position} batches into epoch "
-                 f"{self.epoch}) of a DataLoader over {name}, an IterableDataset that cannot "
-                 f"say its position ({why})",
-                 "a stream that can continue where it stopped, or a checkpoint from an "
-                 "epoch's end", f"give {name} state_dict() -> plain values and "
-                 "load_state_dict(state) (the next iter() continues from there) and use "
-                 "num_workers=0, or resume from a checkpoint saved at an epoch's end "
-                 "(save_freq='epoch')", described=True)
+            self._refuse_resume(self.position, self.epoch)
         self.stream.load_state_dict(self._stream_state)
+
+    def check_resume(self, state: Any, *, continues: bool) -> str | None:
+        """Why ``state`` cannot load, or None; a stream that would have to continue mid-epoch
+        (``continues``) without saying its position is refused (ValueError) before a resume
+        changes anything."""
+        problem = position_problem(state, ("epoch", "position"), "a DataLoader or iterable")
+        if problem or not (continues and self.stream is not None and state["position"]):
+            return problem
+        if state.get("stream") is None or not self._stateful():
+            self._refuse_resume(state["position"], state["epoch"])
+        return None
+
+    def _refuse_resume(self, position: int, epoch: int) -> NoReturn:
+        name = type(self.stream).__name__
+        why = (f"with num_workers={getattr(self.loader, 'num_workers', 0)} its position "
+               f"lives in the worker processes" if callable(
+                   getattr(self.stream, "state_dict", None)) else
+               "it has no state_dict()/load_state_dict()")
+        fail("resume", f"a checkpoint taken mid-epoch ({position} batches into epoch "
+             f"{epoch}) of a DataLoader over {name}, an IterableDataset that cannot "
+             f"say its position ({why})",
+             "a stream that can continue where it stopped, or a checkpoint from an "
+             "epoch's end", f"give {name} state_dict() -> plain values and "
+             "load_state_dict(state) (the next iter() continues from there) and use "
+             "num_workers=0, or resume from a checkpoint saved at an epoch's end "
+             "(save_freq='epoch')", described=True)
 
     def _to_batch(self, item: Any) -> DataBatch:
         i = self.position - 1

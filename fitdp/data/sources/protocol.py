@@ -59,6 +59,10 @@ class DataSource(Protocol):
       order; ``fit(resume=...)`` continues from them.
     - ``num_batches``: batches per epoch, or None when unknown (an endless generator).
     - ``plan()``: see ``SourcePlan``.
+    - optionally ``check_resume(state, *, continues) -> str | None``: why ``state`` cannot
+      load (or None), asked before a resume changes anything; ``continues``: the next
+      iteration goes on from the state's position (no ``set_epoch`` before it). It may
+      raise a ``ValueError`` naming ``resume`` itself.
     """
 
     @property
@@ -73,3 +77,19 @@ class DataSource(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def position_problem(state: Any, keys: Sequence[str], what: str) -> str | None:
+    """Why ``state`` is not a position of ``what`` (a dict of the integers ``keys``), or None.
+
+    Example:
+        >>> position_problem([0, 1], ("epoch", "position"), "a DataLoader")
+        'it is list, not a data position'
+    """
+    if not isinstance(state, Mapping):
+        return f"it is {type(state).__name__}, not a data position"
+    bad = [k for k in keys if not isinstance(state.get(k), int)]
+    if bad:
+        return (f"it lacks the integer entries {bad} of {what}'s position: it was saved by a "
+                f"fit on other data; resume with the data it was saved with")
+    return None

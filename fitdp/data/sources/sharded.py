@@ -69,6 +69,10 @@ class ShardedSource:
         # Every rank resumes at the start of the round it was in, whichever rank saved.
         return {**self.source.state_dict(), "position": self.steps_done * self.world_size}
 
+    def check_resume(self, state: Any, *, continues: bool) -> str | None:
+        check = getattr(self.source, "check_resume", None)
+        return check(state, continues=continues) if check is not None else None
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.source.load_state_dict(state)
         self.steps_done = int(state["position"]) // self.world_size
