@@ -121,8 +121,9 @@ class SWA(WeightAveraging):
             if self._lr_steps is None:
                 self._lr_steps, self._lr_epoch = 0, epoch
             else:  # resumed: the optimizer holds the rate of its last step
-                self._scheduler._step_count = self._lr_steps + 1
-                self._scheduler.last_epoch = self._lr_steps
+                state = self._scheduler.state_dict()  # its public form of the position
+                state.update(_step_count=self._lr_steps + 1, last_epoch=self._lr_steps)
+                self._scheduler.load_state_dict(state)
         if self._lr_epoch is not None and self._lr_epoch < epoch:
             with warnings.catch_warnings():
                 # A scheduler remade on resume has not seen this run's optimizer steps:
