@@ -143,6 +143,13 @@ class ModelIO:
         objects["rng"] = RNG
         return objects
 
+    def _share_epoch_logs(self) -> None:
+        """Every rank, where a saving callback's save is due: the epoch's running logs of
+        every rank gathered for rank 0's checkpoint (a collective under torchrun)."""
+        session = self._session
+        if session is not None and isinstance(session.plan, FitPlan):
+            session.epoch_logs.share()
+
     def save(self, path: str | os.PathLike[str], *, async_save: bool = False,
              sharded: bool | None = None) -> None:
         """Write a checkpoint to ``path`` atomically (only the main process writes).
