@@ -143,9 +143,12 @@ class ModelIO:
         objects["rng"] = RNG
         return objects
 
-    def _share_epoch_logs(self) -> None:
-        """Every rank, where a saving callback's save is due: the epoch's running logs of
-        every rank gathered for rank 0's checkpoint (a collective under torchrun)."""
+    def share_epoch_logs(self) -> None:
+        """Under torchrun, gather every rank's running loss sums and metric states of the
+        epoch, so that a ``save`` right after (rank 0's) holds them all and a resume in the
+        middle of the epoch logs the uninterrupted numbers. A collective: call it on every
+        rank (``ModelCheckpoint`` and ``BackupAndRestore`` do before each save). One
+        process, or outside a fit's epoch: nothing to do."""
         session = self._session
         if session is not None and isinstance(session.plan, FitPlan):
             session.epoch_logs.share()

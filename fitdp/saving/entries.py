@@ -160,9 +160,10 @@ class EpochLogs:
                 warnings.warn(
                     "resume: the checkpoint holds the running loss and metrics of rank 0 "
                     "only (model.save ran on rank 0 alone in the middle of an epoch), so the "
-                    "resumed epoch's logs cover the batches after it. Fix: save mid-epoch "
-                    "through ModelCheckpoint or BackupAndRestore (they gather every rank's "
-                    "logs first), or at an epoch's end.", FitdpWarning, stacklevel=2)
+                    "resumed epoch's logs cover the batches after it. Fix: call "
+                    "model.share_epoch_logs() on every rank before that save (ModelCheckpoint "
+                    "and BackupAndRestore do), or save at an epoch's end.", FitdpWarning,
+                    stacklevel=2)
             return
         if len(parts) == self.ranks.world_size:
             parts = [parts[self.ranks.rank]]
