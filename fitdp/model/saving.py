@@ -128,6 +128,9 @@ class ModelIO:
                                       whole.load_state_dict)
         if replicas is not None:  # after "module": it loads the replicas with the average
             objects["replica_buffers"] = Entry(replicas.own_buffers, replicas.load_own_buffers)
+            # The measured loads and the slow-replicas check: a resume splits each batch so.
+            manager = replicas.manager
+            objects["measures"] = Entry(manager.measures, manager.load_measures)
         trainer = self._trainer
         if trainer is not None and trainer.optimizer is not None:
             objects["optimizer"] = OptimizerState(trainer.optimizer, whole=not shards)

@@ -128,3 +128,53 @@ def test_a_custom_steps_extra_logs_survive_a_mid_epoch_resume(tmp_path, devices)
         run(make_own(), [ModelCheckpoint(ckpt, save_freq=1), Stop(13)], devices)
     history = run(make_own(), [ModelCheckpoint(ckpt, save_freq=1)], devices, resume="latest")
     assert history == expected
+
+
+SPEEDS = (1.0, 2.0, 1.0)  # rows per ms of each CPU replica: device 1 twice as fast
+
+
+def _fixed_times(self, rows, times):
+    """ShareClock.finished with each share's time from SPEEDS, not the machine's clock: the
+    measured loads are then the same in every run, as on a machine whose devices keep their
+    speeds (the test's reference must itself be reproducible)."""
+    return [(list(rows), [r / s * 1e-3 for r, s in zip(rows, SPEEDS)])]
+
+
+@pytest.mark.parametrize("bn", [False, True])
+def test_a_mid_epoch_resume_on_three_replicas_splits_batches_as_the_uninterrupted_run(
+        tmp_path, monkeypatch, bn):
+    """Regression (issue 28.16): on 3 CPU replicas (batch 16 split 6/5/5) with
+    work_load_list="auto", a fit resumed from step 8 ended 7e-9 off the uninterrupted run
+    with an MLP and SGD, 0.04 with BatchNorm and Adam: the resumed call measured its loads
+    and ran the slow-replicas check's one-thread batches anew from its first batch, so its
+    batches were split (and summed) otherwise than the same batches mid-call. The measures
+    are now in the checkpoint (docs/checkpoints.md: a resume on the same devices and loads
+    is bitwise)."""
+    from fitdp.executor.share_clock import ShareClock
+
+    monkeypatch.setattr(ShareClock, "finished", _fixed_times)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(160, 6, generator=g), torch.randint(0, 3, (160,), generator=g)
+
+    def make_run() -> fitdp.Model:
+        torch.manual_seed(0)
+        mid = [nn.BatchNorm1d(16)] if bn else []
+        model = fitdp.Model(nn.Sequential(nn.Linear(6, 16), *mid, nn.ReLU(), nn.Linear(16, 3)))
+        model.compile("adam" if bn else "sgd", lr=0.01, loss="cross_entropy")
+        return model
+
+    def fit(model: fitdp.Model, callbacks, **kw) -> None:
+        model.fit(x, y, batch_size=16, epochs=2, seed=1, verbose=0, devices=["cpu"] * 3,
+                  work_load_list="auto", callbacks=callbacks, **kw)
+
+    reference = make_run()
+    fit(reference, [])
+    assert reference.work_load_list == [0.75, 1.5, 0.75]  # measured: 4/8/4 rows
+    ckpt = str(tmp_path / "c-{step:03d}.ckpt")
+    with pytest.raises(KeyboardInterrupt):
+        fit(make_run(), [ModelCheckpoint(ckpt, save_freq=4), Stop(10)])
+    resumed = make_run()
+    fit(resumed, [], resume=str(tmp_path / "c-008.ckpt"))
+    state, want = resumed.module.state_dict(), reference.module.state_dict()
+    for k in want:  # weights, and BatchNorm's running statistics
+        assert torch.equal(state[k], want[k]), k
