@@ -178,3 +178,50 @@ def test_a_mid_epoch_resume_on_three_replicas_splits_batches_as_the_uninterrupte
     state, want = resumed.module.state_dict(), reference.module.state_dict()
     for k in want:  # weights, and BatchNorm's running statistics
         assert torch.equal(state[k], want[k]), k
+
+
+class _Sums:
+    """A manager double: the loss sums ``restore_loss`` put back."""
+
+    def __init__(self) -> None:
+        self.restored: list | None = None
+
+    def loss_sums(self):
+        return [(torch.tensor(1.0), torch.tensor(2.0))]
+
+    def restore_loss(self, sums) -> None:
+        self.restored = [[float(s), float(n)] for s, n in sums]
+
+
+def _resumed_on(rank: int, world: int, state: dict):
+    from fitdp.call.ranks import Ranks
+    from fitdp.call.run_state import RunState
+    from fitdp.saving.entries import EpochLogs
+
+    manager, run = _Sums(), RunState(batch=3)  # 3 batches into the epoch
+    logs = EpochLogs(manager, None, run, None, Ranks(rank, world, rank))
+    logs.load_state_dict(state)
+    logs.begin()
+    return manager.restored
+
+
+def test_epoch_logs_of_each_rank_go_back_to_that_rank_or_all_to_rank_0():
+    """Issue 28.4: a checkpoint holds every rank's running sums (``ranks``); a resume on as
+    many ranks gives each its own, on another number rank 0 takes them all (the logs sum
+    over ranks), and a one-process checkpoint of an older fitdp (no ``ranks``) still loads."""
+    parts = [{"loss": [[torch.tensor(float(r)), torch.tensor(10.0 + r)]], "metrics": None,
+              "steps": None} for r in range(2)]
+    state = {"ranks": parts}
+    assert _resumed_on(1, 2, state) == [[1.0, 11.0]]
+    assert _resumed_on(0, 1, state) == [[0.0, 10.0], [1.0, 11.0]]
+    assert _resumed_on(1, 3, state) is None and _resumed_on(0, 3, state) is not None
+    assert _resumed_on(0, 1, parts[1]) == [[1.0, 11.0]]
+
+
+def test_epoch_logs_saved_on_rank_0_alone_warn_and_restore_nothing():
+    """Issue 28.4: a mid-epoch model.save on rank 0 alone (no share_epoch_logs) holds rank
+    0's part only; the resume says so instead of logging rank 0's sums as everyone's."""
+    state = {"ranks": [{"loss": [[torch.tensor(1.0), torch.tensor(2.0)]], "metrics": None,
+                        "steps": None}, None]}
+    with pytest.warns(fitdp.checks.FitdpWarning, match="rank 0 only"):
+        assert _resumed_on(0, 2, state) is None
