@@ -201,6 +201,25 @@ class CustomStep:
         for logs in self._logs:
             logs.clear()
 
+    def logs_state(self) -> list[dict[str, list[Any]]]:
+        """Per device, the extra logs' running ``[sum, rows]`` (copies: a checkpoint's)."""
+        return [{key: [total.detach().clone() if isinstance(total, torch.Tensor) else total,
+                       rows] for key, (total, rows) in logs.items()} for logs in self._logs]
+
+    def load_logs_state(self, state: list[dict[str, list[Any]]]) -> None:
+        """Put ``logs_state`` back (a resume): each device its own sums, bit for bit; those
+        of devices beyond these added into the first device's."""
+        self.reset_logs()
+        for d, saved in enumerate(state):
+            mine = d < len(self._logs)
+            logs, device = (self._logs[d], self.devices[d]) if mine else (self._logs[0],
+                                                                        self.devices[0])
+            for key, (total, rows) in saved.items():
+                value = total.to(device) if isinstance(total, torch.Tensor) else total
+                acc = logs.setdefault(key, [0.0, 0])
+                acc[0] = value if mine else acc[0] + value
+                acc[1] += rows
+
 
 def step_context(what: str) -> ReplicaContext:
     """The context of the step this thread runs, or a clear error outside one."""

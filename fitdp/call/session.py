@@ -54,10 +54,10 @@ class Session:
         self.metrics = replicas.metrics or None  # (no metrics: None, not an empty one)
         self.modes = modes
         self.mode: bool | None = None  # the mode the replicas are in (None: not set yet)
-        self.epoch_logs = EpochLogs(self.mgr, self.metrics, run)
         # A subclass's own step (``fitdp.call.custom_step``); with several optimizers its
         # train_step steps them (``Model.optimizer_step``) and fitdp takes no step itself.
         self.custom = replicas.step
+        self.epoch_logs = EpochLogs(self.mgr, self.metrics, run, self.custom, plan.ranks)
         self.manual = trainer is not None and trainer.manual
         if self.custom is not None and self.custom.meeting is not None:
             self.custom.meeting.reset()  # no failure of an earlier call survives into this one

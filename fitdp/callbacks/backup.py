@@ -114,6 +114,7 @@ class BackupAndRestore(Callback):
 
     def _backup(self) -> None:
         """Every rank with strategy="fsdp" (each writes its shards), else the main one."""
+        self._share_logs()  # every rank: the backup holds each rank's running logs
         if not self._takes_part_in_saves():
             return
         self._wait()  # the backup rotated below must be complete

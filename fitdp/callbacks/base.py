@@ -88,6 +88,14 @@ class Callback:
         same decisions: the logs they read are combined over the ranks)."""
         return self._is_main_process() or bool(getattr(self.model, "shards_weights", False))
 
+    def _share_logs(self) -> None:
+        """Every rank, before a checkpoint save (rank 0's): hand the model's running epoch
+        logs of every rank to it (under torchrun a collective, so every rank calls it where
+        a save is due, as they all decide alike)."""
+        share = getattr(self.model, "share_epoch_logs", None)  # (a test double may lack it)
+        if share is not None:
+            share()
+
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         """Called once at the start of `fit`: reset per-run state here."""
 

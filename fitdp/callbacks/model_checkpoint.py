@@ -124,6 +124,8 @@ class ModelCheckpoint(Callback):
     def _save(self, logs: dict[str, float] | None, batch: int | None) -> None:
         """Save unless something is non-finite or (`save_best_only`) nothing improved.
         FSDP2: every rank runs this (the save is a collective), with the same logs."""
+        if not self.save_weights_only:
+            self._share_logs()  # every rank: the checkpoint holds each rank's running logs
         if not self._takes_part_in_saves():
             return
         main = self._is_main_process()

@@ -9,7 +9,8 @@ test can feed them any timings.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fitdp.executor.slicing import split_input_slice
 
@@ -90,6 +91,18 @@ class LoadBalancer:
         self._speeds, self._spread = [], []
         self._skip = self.warmup
 
+    def state_dict(self) -> dict[str, Any]:
+        """The loads in use and the window measured so far (plain numbers: a checkpoint's),
+        so a resumed run splits its batches as the uninterrupted one."""
+        return {"loads": list(self.loads), "balanced": self.balanced, "skip": self._skip,
+                "speeds": [list(r) for r in self._speeds], "spread": list(self._spread)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loads = [float(w) for w in state["loads"]]
+        self.balanced, self._skip = bool(state["balanced"]), int(state["skip"])
+        self._speeds = [[float(v) for v in r] for r in state["speeds"]]
+        self._spread = [float(v) for v in state["spread"]]
+
 
 class SlowReplicaCheck:
     """Over a manager's first training batches: do its CPU replicas, run at once, take longer
@@ -147,6 +160,17 @@ class SlowReplicaCheck:
             return statistics.median(self.together), statistics.median(self.serial)
         return None
 
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the check is (plain numbers: a checkpoint's): a resumed run runs its
+        remaining batches one after another where the uninterrupted one does."""
+        return {"batches": self.batches, "serial": list(self.serial),
+                "together": list(self.together), "done": self.done}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.batches, self.done = int(state["batches"]), bool(state["done"])
+        self.serial = [float(v) for v in state["serial"]]
+        self.together = [float(v) for v in state["together"]]
 
 def slow_replicas_message(devices: int, together: float, alone: float) -> str:
     """The warning ``SlowReplicaCheck`` leads to: both numbers and the fix."""

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -378,6 +378,34 @@ class StepMixin:
             self.logger.info("fitdp: work_load_list='auto' now %s on %s (device times %s ms "
                              "per batch before)", loads, [str(d) for d in self.devices],
                              [round(t * 1e3, 3) for t in seconds])
+
+    def measures(self) -> dict[str, Any] | None:
+        """What the manager has measured of its devices so far (``work_load_list="auto"``'s
+        loads and window, the slow-replicas check's batches), plain numbers for a
+        checkpoint: a run resumed on the same devices then splits each batch, and runs it
+        at once or one share after another, as the uninterrupted run does (the split is
+        part of the arithmetic, so this is what a bitwise resume needs). None: nothing
+        measured nor to measure (one device, or a list of loads once the check is done)."""
+        balancer, check = self.balancer, self._speed_check
+        if balancer is None and check is None:
+            return None
+        return {"devices": len(self.devices),
+                "balancer": balancer.state_dict() if balancer is not None else None,
+                "speed_check": check.state_dict() if check is not None else None}
+
+    def load_measures(self, state: Mapping[str, Any]) -> None:
+        """Go on from ``measures`` (a resume). Another number of devices measures anew; a
+        call with a list of loads keeps its list (no balancer to go on with)."""
+        if int(state["devices"]) != len(self.devices):
+            return
+        if self.balancer is not None and state["balancer"] is not None:
+            self.balancer.load_state_dict(state["balancer"])
+            self._use_loads(self.balancer.loads, None)
+        if self._speed_check is not None:
+            if state["speed_check"] is None:  # decided in the saved run: nothing to measure
+                self._speed_check = None
+            else:
+                self._speed_check.load_state_dict(state["speed_check"])
 
     def _check_speed(self, check: SlowReplicaCheck, seconds: float, serial: bool) -> None:
         verdict = check.record(serial, seconds)

@@ -253,8 +253,14 @@ class Executor:
         it is unchanged: with no target ignored, rows weigh as tokens, and no op is made
         per step."""
         labels = self.labels
-        if self.weights is not None or not isinstance(labels, torch.Tensor):
-            return self.valid  # sample weights mean over rows; a tree of labels: rows too
+        if self.weights is not None or labels is None:
+            return self.valid  # sample weights mean over rows (Keras's sum_over_batch_size)
+        if not isinstance(labels, torch.Tensor):
+            # A tree of targets (a tuple) is counted as the loss says, as ``weigh`` counts
+            # each slice's on several devices: the same logged loss on any device count.
+            counter = getattr(compute, "counts", None)
+            counted = None if counter is None else counter(self.valid_rows(labels))
+            return self.valid if counted is None else counted
         base = labels._base
         if base is None:
             base = labels

@@ -130,6 +130,9 @@ class ModelIO:
                                       whole.load_state_dict)
         if replicas is not None:  # after "module": it loads the replicas with the average
             objects["replica_buffers"] = Entry(replicas.own_buffers, replicas.load_own_buffers)
+            # The measured loads and the slow-replicas check: a resume splits each batch so.
+            manager = replicas.manager
+            objects["measures"] = Entry(manager.measures, manager.load_measures)
         trainer = self._trainer
         if trainer is not None and trainer.optimizer is not None:
             objects["optimizer"] = OptimizerState(trainer.optimizer, whole=not shards)
@@ -144,6 +147,16 @@ class ModelIO:
             objects["callbacks"] = session.plan.callbacks
         objects["rng"] = RNG
         return objects
+
+    def share_epoch_logs(self) -> None:
+        """Under torchrun, gather every rank's running loss sums and metric states of the
+        epoch, so that a ``save`` right after (rank 0's) holds them all and a resume in the
+        middle of the epoch logs the uninterrupted numbers. A collective: call it on every
+        rank (``ModelCheckpoint`` and ``BackupAndRestore`` do before each save). One
+        process, or outside a fit's epoch: nothing to do."""
+        session = self._session
+        if session is not None and isinstance(session.plan, FitPlan):
+            session.epoch_logs.share()
 
     def save(self, path: str | os.PathLike[str], *, async_save: bool = False,
              sharded: bool | None = None) -> None:

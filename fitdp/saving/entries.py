@@ -94,38 +94,69 @@ RNG = Entry(capture_rng_state, restore_rng_state, _rng_problem)
 
 
 class EpochLogs:
-    """The training epoch's running loss sums and metric states, as a checkpoint entry: a
-    resume in the middle of an epoch goes on with them, so the epoch's logs (History,
-    EarlyStopping, ``ModelCheckpoint(monitor=...)``) equal the uninterrupted run's.
+    """The training epoch's running loss sums, metric states and a custom step's other logs,
+    as a checkpoint entry: a resume in the middle of an epoch goes on with them, so the
+    epoch's logs (History, EarlyStopping, ``ModelCheckpoint(monitor=...)``) equal the
+    uninterrupted run's.
 
     Saved only during the epoch's batches (``live``), as of the last optimizer step (the
     position a checkpoint resumes from): with gradient accumulation ``mark`` keeps that
     step's copy (a copy of the metric states per optimizer step; none without accumulation).
 
+    Under torchrun every rank holds its own part of the sums, and rank 0 alone writes:
+    ``share`` (run on every rank by the saving callbacks, before their save) gathers every
+    rank's part, so the checkpoint holds them all by rank. Resumed on as many ranks, each
+    rank takes its own part back (bit for bit); on another number of ranks, rank 0 takes
+    them all (their sums are what the logs reduce over ranks).
+
     Args:
         manager: the executor manager (``loss_sums``, ``restore_loss``).
         metrics: the per-device metric clones (``state_dict``, ``load_state_dict``) or None.
-        run: the run state (``micro_step``: batches since the last step).
+        run: the run state (``micro_step``: batches since the last step; ``global_step``).
+        step: a custom step (``logs_state``, ``load_logs_state``) or None.
+        ranks: the call's ranks (``rank``, ``world_size``, ``gather_rows``).
     """
 
-    def __init__(self, manager: Any, metrics: Any, run: Any) -> None:
-        self.manager, self.metrics, self.run = manager, metrics, run
+    def __init__(self, manager: Any, metrics: Any, run: Any, step: Any, ranks: Any) -> None:
+        self.manager, self.metrics, self.run, self.step = manager, metrics, run, step
+        self.ranks = ranks
         self.live = False
         self.marked: dict[str, Any] | None = None  # the last step's, with accumulation
         self.pending: dict[str, Any] | None = None  # loaded, for the resumed epoch
+        self.shared: tuple[int, list[Any]] | None = None  # (global_step, every rank's part)
 
     def _now(self) -> dict[str, Any]:
         return {"loss": [[s.clone(), n.clone()] for s, n in self.manager.loss_sums()],
-                "metrics": self.metrics.state_dict() if self.metrics else None}
+                "metrics": self.metrics.state_dict() if self.metrics else None,
+                "steps": self.step.logs_state() if self.step is not None else None}
+
+    def _own(self) -> dict[str, Any] | None:
+        """This rank's part as of the last optimizer step (None: no step yet this epoch)."""
+        return self._now() if self.run.micro_step == 0 else self.marked
 
     def mark(self) -> None:
         """An optimizer step ended: keep the logs as of it."""
         self.marked = self._now()
 
+    def share(self) -> None:
+        """Every rank, where a save is due: gather every rank's part (a collective; one
+        process or outside the epoch's batches, where nothing is saved: nothing)."""
+        if self.live and self.ranks.enabled:
+            part = _on_cpu(self._own())  # (pickled: host tensors load on any rank)
+            self.shared = (self.run.global_step, self.ranks.gather_rows([part]))
+
     def state_dict(self) -> dict[str, Any] | None:
         if not self.live:
             return None
-        return self._now() if self.run.micro_step == 0 else self.marked
+        own = self._own()
+        if own is None:
+            return None
+        if not self.ranks.enabled:
+            return {"ranks": [own]}
+        if self.shared is not None and self.shared[0] == self.run.global_step:
+            return {"ranks": self.shared[1]}
+        # A save that ran on rank 0 alone (not through share): the other parts are unknown.
+        return {"ranks": [own] + [None] * (self.ranks.world_size - 1)}
 
     def problem(self, state: Any, checkpoint: Mapping[str, Any]) -> str | None:
         """Why ``state`` cannot go on in this call (its metrics are another model's)."""
@@ -142,11 +173,29 @@ class EpochLogs:
         """A training epoch's batches begin (after its logs were reset): saved from now on,
         and in a fit resumed in the middle of this epoch, the loaded logs put back."""
         state, self.pending, self.marked, self.live = self.pending, None, None, True
+        self.shared = None
         if state is None or not self.run.batch:
             return
-        self.manager.restore_loss(state["loss"])
-        if self.metrics and state.get("metrics") is not None:
-            self.metrics.load_state_dict(state["metrics"])
+        parts = state["ranks"] if "ranks" in state else [state]  # (a one-process save)
+        if any(p is None for p in parts):
+            if self.ranks.is_main:
+                warnings.warn(
+                    "resume: the checkpoint holds the running loss and metrics of rank 0 "
+                    "only (model.save ran on rank 0 alone in the middle of an epoch), so the "
+                    "resumed epoch's logs cover the batches after it. Fix: call "
+                    "model.share_epoch_logs() on every rank before that save (ModelCheckpoint "
+                    "and BackupAndRestore do), or save at an epoch's end.", FitdpWarning,
+                    stacklevel=2)
+            return
+        if len(parts) == self.ranks.world_size:
+            parts = [parts[self.ranks.rank]]
+        elif not self.ranks.is_main:
+            return  # another world size: rank 0 holds every saved rank's sums
+        self.manager.restore_loss([pair for p in parts for pair in p["loss"]])
+        if self.metrics and parts[0].get("metrics") is not None:
+            self.metrics.load_state_dict([d for p in parts for d in p["metrics"]])
+        if self.step is not None and parts[0].get("steps") is not None:
+            self.step.load_logs_state([d for p in parts for d in p["steps"]])
 
 
 class Skipped(NamedTuple):

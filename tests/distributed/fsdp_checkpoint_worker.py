@@ -49,10 +49,12 @@ def model() -> fitdp.Model:
     return m
 
 
-def keep(name: str, m: fitdp.Model) -> None:
+def keep(name: str, m: fitdp.Model, history: fitdp.callbacks.History | None = None) -> None:
     weights = m.get_weights()  # rank 0 alone may call it: fit's end gathered the shards
     if RANK == 0:
         torch.save(weights, os.path.join(OUT, f"{name}.pt"))
+        if history is not None:
+            torch.save(history.history, os.path.join(OUT, f"{name}-history.pt"))
 
 
 if sys.argv[2:] == ["reshard"]:
@@ -78,10 +80,10 @@ class KillRank1Once(fitdp.callbacks.Callback):
 
 if sys.argv[2:] == ["restart"]:  # torchrun --max-restarts 1 starts both ranks again
     restarted = model()
-    restarted.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, callbacks=[
+    history = restarted.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, callbacks=[
         BackupAndRestore(os.path.join(OUT, "killed-backup"), save_freq=1, async_save=True),
         KillRank1Once()])
-    keep("killed-resumed", restarted)
+    keep("killed-resumed", restarted, history)
     sys.exit(0)
 
 
@@ -109,9 +111,9 @@ class CrashAtStep3(fitdp.callbacks.Callback):
 whole = model()
 checkpoints = ModelCheckpoint(os.path.join(OUT, "mc-{epoch}.ckpt"), monitor="loss", keep=1,
                               async_save=True)
-whole.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
-          callbacks=[SaveFirstEpoch(), checkpoints])
-keep("uninterrupted", whole)
+history = whole.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[SaveFirstEpoch(), checkpoints])
+keep("uninterrupted", whole, history)
 for name, path in (("resumed", CHECKPOINT), ("resumed-async", ASYNC), ("resumed-whole", WHOLE)):
     resumed = model()
     resumed.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, resume=path)

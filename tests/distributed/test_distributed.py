@@ -126,14 +126,34 @@ def test_ranks_with_different_data_fail_before_the_first_step(tmp_path):
     assert "Received data size" not in output
 
 
-def test_torchrun_restart_resumes_to_the_same_weights(tmp_path, good_job):
-    code, output, _ = launch("restart", tmp_path, max_restarts=1)
+@pytest.fixture(scope="module")
+def restart_job(tmp_path_factory):
+    """Rank 1 SIGKILLed after step 2 (mid-epoch) of a fit with BackupAndRestore(save_freq=1);
+    torchrun --max-restarts 1 starts both ranks again and the fit resumes from the backup."""
+    out = tmp_path_factory.mktemp("restart")
+    code, output, _ = launch("restart", out, max_restarts=1)
     assert code == 0, output
-    assert (tmp_path / "restart" / "killed").exists()  # rank 1 really died once
+    assert (out / "restart" / "killed").exists()  # rank 1 really died once
+    return out / "restart"
+
+
+def test_torchrun_restart_resumes_to_the_same_weights(restart_job, good_job):
     ref = torch.load(good_job / "uninterrupted" / "weights.pt", weights_only=True)
-    got = torch.load(tmp_path / "restart" / "weights.pt", weights_only=True)
+    got = torch.load(restart_job / "weights.pt", weights_only=True)
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
+
+
+def test_a_restarted_rank_logs_the_uninterrupted_loss_and_metrics(restart_job, good_job):
+    """Regression (issue 28.4): after a rank was killed mid-epoch and torchrun restarted the
+    job, the resumed epoch's loss and accuracy were off (only rank 0's running sums came
+    back, on every rank); History must hold the uninterrupted run's numbers (Keras: the
+    epoch's mean over all its batches)."""
+    want = torch.load(good_job / "uninterrupted" / "history.pt", weights_only=True)
+    got = torch.load(restart_job / "history.pt", weights_only=True)
+    assert got.keys() == want.keys() and "multiclass_accuracy" in want
+    for key, values in want.items():
+        assert got[key] == pytest.approx(values, rel=1e-6, abs=1e-7), key
 
 
 def test_digits_example_under_torchrun(tmp_path):

@@ -130,6 +130,11 @@ def test_a_killed_fsdp_rank_restarts_from_the_sharded_backup_bitwise(fsdp_checkp
     assert code == 0, output
     assert (out / "killed").exists()  # rank 1 really died once
     assert_equal(weights(out, "killed-resumed"), weights(out, "uninterrupted"), "restart")
+    # Regression (issue 28.4): the resumed epoch's loss was off (rank 0's running sums came
+    # back on every rank); History holds the uninterrupted run's numbers.
+    want = torch.load(out / "uninterrupted-history.pt", weights_only=True)
+    got = torch.load(out / "killed-resumed-history.pt", weights_only=True)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.distributed

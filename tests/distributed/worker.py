@@ -102,12 +102,13 @@ def raise_slow_exit(out: str) -> None:
 
 def resumable(kill: bool) -> Callable[[str], None]:
     def run(out: str) -> None:
-        m = model()
+        m = model(metrics=[MulticlassAccuracy(num_classes=3)])
         cbs: list[Callback] = [BackupAndRestore(os.path.join(out, "backup"), save_freq=1)]
         if kill:
             cbs.append(Fault("kill_once", out))
-        m.fit(x, y, batch_size=5, epochs=3, seed=3, verbose=0, callbacks=cbs)
+        history = m.fit(x, y, batch_size=5, epochs=3, seed=3, verbose=0, callbacks=cbs)
         save(out, "weights.pt", m.module.state_dict())
+        save(out, "history.pt", history.history)
     return run
 
 

@@ -329,3 +329,39 @@ def test_dropout_in_turn_costs_are_bounded():
     model.fit(X, Y, devices=["cpu", "cpu"], verbose=0)
     assert model._replicas.manager.execgrp.stochastic is True
     assert time.perf_counter() - t < 30
+
+
+class _TupleTokenLoss:
+    """A loss over tuple targets ``(tokens, mask)`` that says what it averages (counts)."""
+
+    def __call__(self, out: torch.Tensor, y: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y[0], ignore_index=-100)
+
+    def counts(self, y: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (y[0] != -100).sum()
+
+
+class _OwnStep(fitdp.Model):
+    def train_step(self, data):
+        x, y = data
+        return self.compute_loss(x, y, self(x, training=True))
+
+
+@pytest.mark.parametrize("cls", [fitdp.Model, _OwnStep])
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
+def test_logged_loss_of_counted_tuple_targets_is_the_token_mean_on_any_device_count(
+        cls, devices):
+    """Regression (issue 28.17): with tuple targets and a loss that has counts(), History's
+    loss was weighed by rows on one device (1.2595) and by counts on two (1.2459)."""
+    g = torch.Generator().manual_seed(0)
+    x, tokens = torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g)
+    tokens[torch.rand(40, generator=g) < 0.4] = -100
+    mask = torch.rand(40, generator=g)
+    torch.manual_seed(0)
+    model = cls(nn.Linear(6, 3))
+    model.compile("sgd", lr=0.0, loss=_TupleTokenLoss())  # no update: one weight all epoch
+    h = model.fit(x, (tokens, mask), batch_size=10, shuffle=False, devices=devices, verbose=0)
+    # docs/bucketing.md: the epoch's loss is the mean over every real token of the epoch.
+    with torch.no_grad():
+        ref = nn.functional.cross_entropy(model.module(x), tokens, ignore_index=-100)
+    assert h.history["loss"][0] == pytest.approx(float(ref), rel=1e-6)
