@@ -160,10 +160,17 @@ class EpochLogs:
 
     def problem(self, state: Any, checkpoint: Mapping[str, Any]) -> str | None:
         """Why ``state`` cannot go on in this call (its metrics are another model's)."""
-        if not isinstance(state.get("loss"), list):
+        parts = state.get("ranks", [state])  # (a one-process save of an earlier version)
+        if not isinstance(parts, list) or not parts:
             return "it is not an epoch's running logs"
-        if self.metrics and state.get("metrics") is not None:
-            return self.metrics.state_problem(state["metrics"])
+        for part in parts:
+            if part is None:  # a rank whose part a rank-0-only save could not know
+                continue
+            if not isinstance(part, dict) or not isinstance(part.get("loss"), list):
+                return "it is not an epoch's running logs"
+            if self.metrics and part.get("metrics") is not None:
+                if (problem := self.metrics.state_problem(part["metrics"])) is not None:
+                    return problem
         return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
