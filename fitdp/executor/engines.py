@@ -19,18 +19,21 @@ import atexit
 import dataclasses
 import gc
 import inspect
+import sys
 import typing
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fitdp.checks import check_int, check_number
 from fitdp.executor.sharing import replica
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 
@@ -323,10 +326,20 @@ def _leaves(tree: Any) -> list[torch.Tensor]:
     return []
 
 
+def is_shard(value: object) -> TypeGuard[DTensor]:
+    """Whether ``value`` is an FSDP2 shard (a DTensor). ``torch.distributed.tensor`` costs
+    about 0.5 s to import, so ``import fitdp`` leaves it to FSDP2: before that module is
+    imported no DTensor exists."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def copy_into(dst: torch.Tensor, value: torch.Tensor) -> None:
     """``dst.copy_(value)``, where ``dst`` may be an FSDP2 shard of the whole ``value``: this
     rank's part of it (every rank holds ``value``: no communication)."""
-    if isinstance(dst, DTensor):
+    if is_shard(dst):
+        from torch.distributed.tensor import distribute_tensor
+
         value = distribute_tensor(value.to(dst.device), dst.device_mesh, dst.placements,
                                   src_data_rank=None)
     dst.detach().copy_(value, non_blocking=True)
@@ -335,13 +348,13 @@ def copy_into(dst: torch.Tensor, value: torch.Tensor) -> None:
 def whole(block: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     """``block`` with FSDP2 shards gathered into whole tensors (a collective: every rank
     asks for the same tensors in the same order)."""
-    return [t.full_tensor() if isinstance(t, DTensor) else t for t in block]
+    return [t.full_tensor() if is_shard(t) else t for t in block]
 
 
 def shard_versions(params: Iterable[torch.Tensor]) -> list[int]:
     """The in-place version counter of each sharded (DTensor) parameter: unchanged numbers
     mean no shard was stepped since they were read."""
-    return [p._version for p in params if isinstance(p, DTensor)]
+    return [p._version for p in params if is_shard(p)]
 
 
 def reshard_state(optimizer: torch.optim.Optimizer, to_host: bool) -> None:
@@ -351,11 +364,13 @@ def reshard_state(optimizer: torch.optim.Optimizer, to_host: bool) -> None:
     ``to_host``: every rank's state has the same keys in the same order."""
     for param, state in optimizer.state.items():
         for key, value in state.items():
-            if to_host and isinstance(value, DTensor):
+            if to_host and is_shard(value):
                 state[key] = value.full_tensor()
-            elif not to_host and isinstance(param, DTensor) and isinstance(
-                    value, torch.Tensor) and not isinstance(value, DTensor) \
+            elif not to_host and is_shard(param) and isinstance(
+                    value, torch.Tensor) and not is_shard(value) \
                     and value.shape == param.shape:
+                from torch.distributed.tensor import distribute_tensor
+
                 state[key] = distribute_tensor(value, param.device_mesh, param.placements,
                                                src_data_rank=None)
 
@@ -363,6 +378,6 @@ def reshard_state(optimizer: torch.optim.Optimizer, to_host: bool) -> None:
 def whole_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     """An optimizer's ``state_dict`` with FSDP2 shards gathered into whole tensors (a
     collective, as ``reshard_state``)."""
-    state = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()}
+    state = {i: {k: v.full_tensor() if is_shard(v) else v for k, v in s.items()}
              for i, s in state_dict["state"].items()}
     return {**state_dict, "state": state}

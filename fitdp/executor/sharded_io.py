@@ -25,14 +25,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.tensor import DTensor
+
+from fitdp.executor.engines import is_shard
+
+# torch.distributed.checkpoint is imported by the functions that use it: it costs about 0.8 s,
+# which ``import fitdp`` would otherwise charge every user.
 
 LATEST = "LATEST"
 SUMS = "checksums.json"  # {"files": {name: [size, CRC-32]}, "crc32": of the files' JSON}
@@ -42,6 +40,8 @@ _CHUNK = 16 << 20  # CRC read size
 def sharded_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
     """``{"module": ..., "optimizer": ...}`` keyed by parameter name, each rank's shards
     (DTensors under FSDP2; whole tensors elsewhere); ``optimizer`` may be None."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     if optimizer is None:
         model_sd, _ = get_state_dict(module, [])
         return {"module": model_sd}
@@ -51,6 +51,8 @@ def sharded_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
 
 def load_sharded_state(module: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
     """Put ``state`` (as ``sharded_state`` gives it, filled by ``load``) back in place."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     set_state_dict(module, optimizer if optimizer is not None else [],
                    model_state_dict=state["module"],
                    optim_state_dict=state.get("optimizer", {}))
@@ -59,6 +61,8 @@ def load_sharded_state(module: nn.Module, optimizer: Any, state: dict[str, Any])
 def full_state(module: nn.Module) -> dict[str, Any]:
     """The whole module's state on every rank's CPU (gathered from the shards): for
     ``get_weights`` and ``export``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     model_sd, _ = get_state_dict(module, [], options=StateDictOptions(
         full_state_dict=True, cpu_offload=True))
     return model_sd
@@ -75,6 +79,8 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     ``before(target)`` runs on the coordinator once the target folder is made, before any
     shard is written (what only rank 0 writes into the same checkpoint).
     """
+    import torch.distributed.checkpoint as dcp
+
     root = Path(folder)
     target = root / _folder_name(root, step)
     if _coordinator():
@@ -147,6 +153,8 @@ def load(folder: str | os.PathLike[str], state: dict[str, Any], *,
     Raises:
         FileNotFoundError: no complete checkpoint in ``folder``.
     """
+    import torch.distributed.checkpoint as dcp
+
     root = Path(folder)
     name = latest(root)
     if name is None:
@@ -290,16 +298,11 @@ def nonfinite_names(state: dict[str, torch.Tensor]) -> list[str]:
     names = [k for k, t in state.items() if t.is_floating_point()]
     if not names:
         return []
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in (state[k] for k in names)]
-    shards = [t.device for t, k in zip(local, names) if isinstance(state[k], DTensor)]
+    local = [t.to_local() if is_shard(t) else t for t in (state[k] for k in names)]
+    shards = [t.device for t, k in zip(local, names) if is_shard(state[k])]
     # On the shards' device (NCCL takes no CPU tensor), else the first entry's.
     device = shards[0] if shards else local[0].device
     flags = torch.stack([(~torch.isfinite(t).all()).to(device) for t in local]).to(torch.uint8)
     if shards:  # the default group: the checkpoints' own may be busy in an async save
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [k for k, bad in zip(names, flags.tolist()) if bad]
-
-
-def is_shard(value: object) -> bool:
-    """Whether ``value`` is an FSDP2 shard (a DTensor): DCP copies it from its device."""
-    return isinstance(value, DTensor)
