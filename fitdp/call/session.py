@@ -270,6 +270,9 @@ class Session:
             bound(batch, zero_grad=zero_grad, step=step, total_rows=batch.global_rows)
             return
         trainer = self.trainer
+        uncounted = getattr(trainer.objective, "warn_uncounted", None) if trainer else None
+        if uncounted is not None and bound.is_train:  # compile(loss=None)
+            uncounted(batch.data, batch.label)
         if trainer is not None and batch.label is not None and self.custom is None:
             trainer.objective.check_targets(batch.label)
             if batch.sample_weight is not None and not trainer.objective.supports_sample_weight:

@@ -110,6 +110,14 @@ def tree_cat(trees: Sequence[Any], axis: int = 0) -> Any:
     return type(first)(tree_cat([t[i] for t in trees], axis) for i in range(len(first)))
 
 
+def batch_labels(data: Any, labels: Any) -> Any:
+    """The targets of a batch: ``labels`` (``y``) when the data has separate targets, else
+    the ``"labels"`` of a dict of inputs (a Hugging Face batch), else None."""
+    if labels is not None:
+        return labels
+    return data.get("labels") if isinstance(data, Mapping) else None
+
+
 def batch_length(tree: Any, axis: int = 0) -> int:
     """Number of samples (size of the batch ``axis``) of a tree of tensors."""
     leaves = tree_leaves(tree)

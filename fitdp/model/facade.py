@@ -130,6 +130,8 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         loss_weights: Sequence[float] | dict[str, float] | None = None,
         strategy: Strategy = "auto",
         weighted_metrics: MetricsArg = None,
+        loss_items: str | Callable[[Any], Any] | None = None,
+        forward_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Choose the optimizer, loss and metrics (see docs/api.md); resets the optimizer state.
 
@@ -143,8 +145,12 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         layers become ``torch.nn.SyncBatchNorm``. ``strategy``: how ranks share the work under
         torchrun, ``"auto"`` (DDP when each rank drives one device, else fitdp's own
         reduction), ``"ddp"``, ``"fsdp"`` (FSDP2), or ``fitdp.DDP(...)``/``fitdp.FSDP(...)``
-        with options (docs/distributed.md). Every argument is checked and every piece
-        built before anything changes.
+        with options (docs/distributed.md). ``loss=None``: the module's own loss
+        (``outputs.loss``, a Hugging Face model given labels); ``loss_items`` says what that
+        loss averages over (``"tokens"``, ``"causal_lm"`` or a callable, so that several
+        devices train the one-device update); ``forward_kwargs`` are passed to every forward
+        (e.g. ``{"use_cache": False}``; docs/huggingface.md). Every argument is checked and
+        every piece built before anything changes.
         """
         if self._session is not None:
             raise RuntimeError("compile: called during fit/evaluate/predict (from a callback);"
@@ -152,7 +158,8 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         trainer = Compiled.build(self.module, CompileConfig(
             optimizer, loss, metrics, lr, lr_scheduler, precision, grad_clip_norm,
             grad_accum_steps, compile, sync_batchnorm, loss_weights, strategy=strategy,
-            weighted_metrics=weighted_metrics))
+            weighted_metrics=weighted_metrics, loss_items=loss_items,
+            forward_kwargs=forward_kwargs))
         self._release()
         self._trainer = trainer
 
