@@ -169,7 +169,8 @@ def test_without_loss_items_two_replicas_train_another_update_and_it_is_said() -
     assert gap > 1e-4
 
 
-def _loader_of_dicts(data, batch_size=BATCH):
+def loader_of_dicts(data, batch_size=BATCH):
+    """A DataLoader of per-sample dicts, collated into dict batches in order."""
     rows = [{k: v[i] for k, v in data.items()} for i in range(N)]
     return torch.utils.data.DataLoader(rows, batch_size=batch_size)
 
@@ -183,9 +184,9 @@ def test_batches_of_dicts_train_like_a_dict_in_memory(form) -> None:
     expected.compile(OPTIMIZER, lr=LR, loss=None, loss_items="causal_lm")
     expected.fit(data, batch_size=BATCH, shuffle=False, verbose=0, devices=["cpu", "cpu"])
     if form == "dataloader":
-        x = _loader_of_dicts(data)
+        x = loader_of_dicts(data)
     elif form == "generator":
-        x = (b for b in list(_loader_of_dicts(data)))
+        x = (b for b in list(loader_of_dicts(data)))
     else:
         x = [{k: v[i] for k, v in data.items()} for i in range(N)]
         x = torch.utils.data.Subset(x, range(N))
@@ -333,7 +334,7 @@ def test_dict_items_without_loss_none_say_to_compile_it() -> None:
     model = fitdp.Model(_classifier())
     model.compile(OPTIMIZER, lr=LR)
     with pytest.raises(ValueError, match=r"compile\(loss=None\)"):
-        model.fit(_loader_of_dicts(classification_data()), verbose=0)
+        model.fit(loader_of_dicts(classification_data()), verbose=0)
 
 
 def test_fitdp_never_imports_transformers() -> None:
