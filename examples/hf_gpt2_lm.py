@@ -8,7 +8,7 @@ those tokens: two CPU replicas train the one-device, whole-batch update. `use_ca
 is fixed for every forward (`forward_kwargs`), and `predict` returns a dict of the logits
 joined over batches (the cache is dropped), from which the next-character accuracy is read.
 
-Run:  python examples/hf_gpt2_lm.py          (next-character accuracy about 0.75, ~15 s)
+Run:  python examples/hf_gpt2_lm.py          (next-character accuracy about 0.5, ~15 s)
       python examples/hf_gpt2_lm.py --fast   (a few seconds: the test suite's setting)
 """
 

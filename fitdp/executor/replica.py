@@ -389,8 +389,8 @@ class ModuleLoss:
 
     A ``loss_fn`` with ``loss_of(outputs)`` (``compile(loss=None)``) takes the module's own
     loss from its outputs instead, on the valid rows of the inputs (padding never enters a
-    mean the module takes itself; targets ``y`` given apart from a dict of inputs are passed
-    as ``labels=``); in evaluation a batch without labels gives no loss.
+    mean the module takes itself; targets ``y`` given apart from the inputs are passed as
+    ``labels=``); in evaluation a batch without labels gives no loss.
     A module's dict of outputs (a Hugging Face ``ModelOutput``) is returned as a dict of its
     per-row tensors (``per_row_outputs``) for metrics and predict.
 
@@ -440,8 +440,8 @@ class ModuleLoss:
             ex.inputs, ex.labels = ex.valid_rows(ex.inputs), ex.valid_rows(ex.labels)
             ex.rows = ex.valid
         kwargs = self.kwargs
-        if ex.labels is not None and isinstance(ex.inputs, Mapping):
-            kwargs = {**kwargs, "labels": ex.labels}  # y given apart from the batch dict
+        if ex.labels is not None:  # y given apart from the inputs (a BucketIterator's)
+            kwargs = {**kwargs, "labels": ex.labels}
         outputs = ex.module_outputs(training, kwargs)
         lossless = (outputs.get("loss") if isinstance(outputs, Mapping) else getattr(
             outputs, "loss", None)) is None

@@ -349,3 +349,29 @@ def test_fitdp_never_imports_transformers() -> None:
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             found += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "transformers"]
     assert not found
+
+
+def test_a_bucket_iterator_feeds_a_causal_lm_its_labels() -> None:
+    """Bucketing where it fits: a BucketIterator's padded ids (labels padded with -100) go
+    to GPT-2 as ``model(ids, labels=labels)``; two replicas train the hand loop's update on
+    the same buckets (causal attention: the padding after a line changes none of its
+    tokens)."""
+    g = torch.Generator().manual_seed(6)
+    lines = [torch.randint(1, VOCAB, (int(n),), generator=g)
+             for n in torch.randint(2, T + 1, (N,), generator=g)]
+
+    def buckets():
+        return fitdp.BucketIterator(lines, lines, batch_size=BATCH, buckets=[4, T],
+                                    label_pad=-100, shuffle=False)
+
+    ref = _gpt2()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for batch in buckets():
+        opt.zero_grad()
+        ref(batch.data, labels=batch.label).loss.backward()
+        opt.step()
+    model = fitdp.Model(_gpt2())
+    model.compile(OPTIMIZER, lr=LR, loss=None, loss_items="causal_lm")
+    model.fit(buckets(), verbose=0, devices=["cpu", "cpu"])
+    for p, q in zip(model.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
