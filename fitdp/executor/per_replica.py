@@ -147,10 +147,10 @@ def metric_share(job: Job, d: int) -> None:
     labels = ex.labels if job.metric_labels is None else take_rows(
         job.metric_labels, job.slices[d], ex.axis)
     outputs = ex.outputs
-    if labels is None or outputs.__class__ is dict:  # a Hugging Face batch and outputs
-        labels = batch_labels(ex.inputs, labels)
-        if isinstance(labels, torch.Tensor) and isinstance(outputs, dict) and "logits" in outputs:
-            outputs = outputs["logits"]
+    if outputs.__class__ is dict and "logits" in outputs:  # a Hugging Face model's
+        hf_labels = batch_labels(ex.inputs, labels)  # (in the batch dict, or y)
+        if isinstance(hf_labels, torch.Tensor):
+            outputs, labels = outputs["logits"], hf_labels
     if ex.valid > 0 and labels is not None:
         job.metric.update(d, ex.valid_rows(outputs), ex.valid_rows(labels),
                           ex.valid_rows(ex.weights))

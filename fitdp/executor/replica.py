@@ -234,6 +234,8 @@ class Executor:
                         if autocast_dtype is not None else _NULL)
             with torch.set_grad_enabled(is_train), autocast:
                 loss, outputs = compute(self, is_train)
+        if outputs.__class__ is not torch.Tensor:  # a ModelOutput: its per-row tensors
+            outputs = per_row_outputs(outputs)
         self.outputs = outputs
         if loss is None:
             return outputs
@@ -391,8 +393,6 @@ class ModuleLoss:
     loss from its outputs instead, on the valid rows of the inputs (padding never enters a
     mean the module takes itself; targets ``y`` given apart from the inputs are passed as
     ``labels=``); in evaluation a batch without labels gives no loss.
-    A module's dict of outputs (a Hugging Face ``ModelOutput``) is returned as a dict of its
-    per-row tensors (``per_row_outputs``) for metrics and predict.
 
     Args:
         loss_fn: ``callable(outputs, targets) -> scalar``, the mean over the slice, or None.
@@ -423,7 +423,7 @@ class ModuleLoss:
         outputs = ex.module_outputs(training, self.kwargs)
         lab = ex.labels
         if lab is None or ex.valid == 0 or self.loss_fn is None:
-            return None, per_row_outputs(outputs)
+            return None, outputs
         w = ex.weights
         if ex.valid < ex.rows:
             out, lab = ex.valid_rows(outputs), ex.valid_rows(lab)
@@ -446,7 +446,7 @@ class ModuleLoss:
         lossless = (outputs.get("loss") if isinstance(outputs, Mapping) else getattr(
             outputs, "loss", None)) is None
         loss = None if lossless and not training else self.own(outputs)  # type: ignore[misc]
-        return loss, per_row_outputs(outputs)
+        return loss, outputs
 
 
 def _outputs_only(ex: Executor, training: bool) -> tuple[None, Any]:

@@ -375,3 +375,22 @@ def test_a_bucket_iterator_feeds_a_causal_lm_its_labels() -> None:
     model.fit(buckets(), verbose=0, devices=["cpu", "cpu"])
     for p, q in zip(model.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+
+
+def test_a_custom_step_on_a_model_output_feeds_metrics_and_predict() -> None:
+    """Regression: a ModelOutput from a custom step reached the metrics whole ("'dict' object
+    has no attribute 'ndim'") and predict raw (its loss a scalar, its cache no tensor): both
+    now read its per-row tensor fields, as on the built-in path."""
+
+    class OwnStep(fitdp.Model):
+        def train_step(self, data):
+            (batch,) = data
+            return self(**batch).loss
+
+    data = classification_data()
+    model = OwnStep(_classifier())
+    model.compile(OPTIMIZER, lr=LR, loss=None, metrics=["accuracy"])
+    logs = model.fit(data, batch_size=BATCH, verbose=0, devices=["cpu", "cpu"]).history
+    assert 0.0 <= logs["accuracy"][0] <= 1.0
+    predicted = model.predict({k: v for k, v in data.items() if k != "labels"}, verbose=0)
+    assert sorted(predicted) == ["logits"] and predicted["logits"].shape == (N, 3)
