@@ -112,7 +112,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
     placement, auto = _place(model, devices, work_load_list, batch_size)
     ranks = placement.ranks
     train = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                        labels_optional=labels_optional(model),
+                        labels_optional=model.labels_optional,
                         class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size,
                         pin_memory=pin_host_batches(placement.devices))
     num = train.num_batches
@@ -123,7 +123,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
              "re-iterable object", described=True)
     val = None if validation_data is None else _validation_source(
         validation_data, val_batch, seed, ranks, pin_host_batches(placement.devices),
-        labels_optional(model))
+        model.labels_optional)
     amounts = [("x", _amounts(train))]
     if val is not None:
         amounts.append(("validation_data", _amounts(val)))
@@ -148,7 +148,7 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
     placement, auto = _place(model, devices, work_load_list, None)
     ranks = placement.ranks
     source = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=False, seed=0,
-                         has_labels=has_labels, labels_optional=labels_optional(model),
+                         has_labels=has_labels, labels_optional=model.labels_optional,
                          rank=ranks.rank, world_size=ranks.world_size,
                          pin_memory=pin_host_batches(placement.devices))
     cbs = _callbacks(model, callbacks, verbose, steps=steps or source.num_batches,
@@ -263,15 +263,6 @@ def _validation_source(data: Any, batch_size: int, seed: int, ranks: Ranks,
     return make_source(x, y, w, batch_size=batch_size, shuffle=False, seed=seed,
                        rank=ranks.rank, world_size=ranks.world_size, name="validation_data",
                        pin_memory=pin_memory, labels_optional=optional)
-
-
-def labels_optional(model: Any) -> bool:
-    """Whether fit/evaluate may take ``x`` without ``y``: a model with its own step may
-    train without targets (autoencoders, self-supervised; compute_loss gets y=None), and a
-    module that computes its own loss (``compile(loss=None)``) finds them in the batch dict."""
-    trainer = getattr(model, "_trainer", None)
-    own = trainer is not None and hasattr(trainer.objective, "loss_of")
-    return own or bool(getattr(model, "steps_overridden", False))
 
 
 def _one_shot(x: Any) -> bool:

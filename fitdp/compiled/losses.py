@@ -182,6 +182,22 @@ class Objective:
         index (the step may not call compile's loss at all); None: rows."""
         return _declared_counts(self.losses[0].spec) if self.single else None
 
+    def warn_custom_step_rows(self, targets: Any) -> None:
+        """Warn, on a custom step's first batch, when compile's loss would count targets it
+        ignores (-100) but does not declare it: the step's slices weigh by rows, since the
+        step may never call compile's loss (``declared_counts``)."""
+        if (self.declared_counts is not None or self.counts(targets) is None
+                or not isinstance(targets, torch.Tensor)
+                or not bool((targets == -100).any())):
+            return
+        warnings.warn(
+            f"loss: a custom train_step's slices weigh by rows, and compile's {self.spec!r} "
+            f"ignores the -100 targets of these labels; if the step returns compile's loss "
+            f"(compute_loss), several devices train another update than one. Fix: declare "
+            f"what it averages over: compile(loss=fitdp.TokenMean(fn)), or compile(loss=None,"
+            f" loss_items='tokens') for a step that returns a model's own loss.",
+            FitdpWarning, stacklevel=2)
+
     def no_weights_message(self) -> str:
         return next(loss.no_weights_message() for loss in self.losses if loss.per_sample is None)
 

@@ -47,6 +47,15 @@ class KerasSteps:
         return overridden(self, KerasSteps)
 
     @property
+    def labels_optional(self) -> bool:
+        """Whether fit/evaluate may take ``x`` without ``y``: a model with its own step may
+        train without targets (autoencoders, self-supervised; compute_loss gets y=None), and
+        a module that computes its own loss (``compile(loss=None)``) finds them in the batch
+        dict."""
+        own = self._trainer is not None and hasattr(self._trainer.objective, "loss_of")
+        return own or self.steps_overridden
+
+    @property
     def module(self) -> nn.Module:
         """The network. Inside a step: the replica the step runs on; else the host module
         (the trained, device-averaged weights between calls)."""

@@ -249,7 +249,8 @@ def test_a_custom_step_is_weighed_by_rows_not_by_a_loss_it_does_not_call() -> No
         rows.fit(data, batch_size=BATCH, shuffle=False, verbose=0, devices=["cpu", "cpu"])
     model = OwnStep(_gpt2())
     model.compile(OPTIMIZER, lr=LR)
-    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, devices=["cpu", "cpu"])
+    with pytest.warns(FitdpWarning, match="weigh by rows"):  # and says how to declare
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, devices=["cpu", "cpu"])
     for p, q in zip(model.module.parameters(), rows.module.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
 
@@ -394,3 +395,22 @@ def test_a_custom_step_on_a_model_output_feeds_metrics_and_predict() -> None:
     assert 0.0 <= logs["accuracy"][0] <= 1.0
     predicted = model.predict({k: v for k, v in data.items() if k != "labels"}, verbose=0)
     assert sorted(predicted) == ["logits"] and predicted["logits"].shape == (N, 3)
+
+
+def test_a_custom_step_on_an_undeclared_ignore_index_is_warned_about() -> None:
+    """A train_step returning compile's "cross_entropy" on per-token labels padded with -100
+    weighs its slices by rows on two replicas (compile's loss is not read for weights): a
+    FitdpWarning says so and names the declarations that fix it."""
+
+    class Tagger(fitdp.Model):
+        def train_step(self, data):
+            x, y = data
+            logits = self(**x).logits
+            return self.compute_loss(x, y.reshape(-1), logits.reshape(-1, logits.shape[-1]))
+
+    data = tagging_data()
+    x = {k: v for k, v in data.items() if k != "labels"}
+    model = Tagger(_tagger())
+    model.compile(OPTIMIZER, lr=LR)
+    with pytest.warns(FitdpWarning, match=r"TokenMean.*loss_items='tokens'"):
+        model.fit(x, data["labels"], batch_size=BATCH, verbose=0, devices=["cpu", "cpu"])
