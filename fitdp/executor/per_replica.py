@@ -241,7 +241,7 @@ def weigh(job: Job, total_rows: int | torch.Tensor, counter: Count | None,
             for d in range(len(executors)):
                 load_share(job, d)
             job.load = False
-        parts = [(ex.valid_rows(ex.inputs), ex.valid_rows(ex.labels))
+        parts = [(ex.valid_rows(ex.inputs) if items else None, ex.valid_rows(ex.labels))
                  if ex.valid and (items or ex.labels is not None) else None
                  for ex in executors]
     counted = count_targets(parts, [ex.device for ex in executors], counter, global_count)
