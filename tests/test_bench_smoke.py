@@ -148,3 +148,15 @@ def test_instruction_rows_hold_fitdp_to_the_hand_loops_count():
     with pytest.raises(ValueError, match="valgrind"):
         summary.instructions({"skipped": "valgrind not on PATH"})
 
+
+
+def test_huggingface_bench_quick_runs(tmp_path: Path) -> None:
+    out = tmp_path / "hf.json"
+    proc = quick("huggingface.py", "--json", str(out), timeout=300)
+    assert "tiny BERT fit overhead:" in proc.stdout
+    numbers = json.loads(out.read_text())
+    assert numbers["overhead"]["ratio"] > 0
+    # exact (no timing): the error loss_items removes is there without it, gone with it
+    errors = numbers["items_error"]
+    assert errors["2 steps, loss_items=None"] > 1e-3
+    assert errors["2 steps, loss_items=causal_lm"] < 1e-5

@@ -50,3 +50,26 @@ def test_train_digits_takes_one_replica_on_one_core():
     assert out.returncode == 0, out.stderr
     assert "on ['cpu'], 1 usable CPU cores" in out.stdout
     assert "one replica would train faster" not in out.stderr
+
+
+def test_hf_bert_classifier_fast():
+    """A tiny BERT from a config fine-tuned on generated reviews (dict batches, the model's
+    own loss, two CPU replicas) learns them: held-out accuracy printed, well above chance."""
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "hf_bert_classifier.py"),
+                          "--fast"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    found = re.search(r"held-out: loss ([\d.]+), accuracy ([\d.]+)", out.stdout)
+    assert found is not None, out.stdout
+    assert float(found[2]) > 0.8
+
+
+def test_hf_gpt2_lm_fast():
+    """A tiny GPT-2 from a config fine-tuned on generated sums (loss_items="causal_lm"):
+    the loss falls from epoch to epoch and the next-character accuracy is printed."""
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "hf_gpt2_lm.py"), "--fast"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    losses = [float(v) for v in re.findall(r"epoch \d+: loss ([\d.]+)", out.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out.stdout
+    found = re.search(r"next-character accuracy ([\d.]+)", out.stdout)
+    assert found is not None and float(found[1]) > 0.2, out.stdout

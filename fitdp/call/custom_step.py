@@ -57,8 +57,9 @@ class CustomStep:
         self.predicting = False
         self.manual = False  # several optimizers, stepped by train_step (set by Replicas)
         self._index: dict[int, tuple[int, Any]] = {}  # id(executor) -> (device, its job)
-        # What a slice's loss means over when compile's loss is a TokenMean (``job.weigh``
-        # weighs the slices by it, as on the built-in path); None: rows.
+        # What a slice's loss means over when declared: compile(loss=None, loss_items=...)
+        # or a loss with counts such as TokenMean (``per_replica.weigh`` weighs the slices by
+        # it, as on the built-in path); None: rows.
         self.counts: Any = None
         self.manager: Any = None
         self.trainer: Any = None
@@ -72,8 +73,9 @@ class CustomStep:
         steps them (``Compiled.manual``), under its scaler and clipping."""
         self.manager, self.trainer = manager, trainer
         self.manual = trainer is not None and trainer.manual
-        self.counts = getattr(trainer.objective, "counts", None) if trainer is not None \
-            else None
+        # Slice weights never come from a loss the step may not call: only from what is
+        # declared (compile's loss_items, or a loss with counts such as TokenMean).
+        self.counts = trainer.objective.declared_counts if trainer is not None else None
 
     def _device_index(self, ex: Any) -> tuple[int, Any]:
         index = self._index.get(id(ex))

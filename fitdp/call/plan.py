@@ -111,10 +111,8 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         x, y, sample_weight = x[0], y[0], sample_weight[0]
     placement, auto = _place(model, devices, work_load_list, batch_size)
     ranks = placement.ranks
-    # fit(x) without y: a model with its own step may train without targets (autoencoders,
-    # self-supervised); compute_loss gets y=None.
     train = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                        labels_optional=getattr(model, "steps_overridden", False),
+                        labels_optional=model.labels_optional,
                         class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size,
                         pin_memory=pin_host_batches(placement.devices))
     num = train.num_batches
@@ -124,7 +122,8 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
              "(an endless generator trains as long as asked), a list, a DataLoader or a "
              "re-iterable object", described=True)
     val = None if validation_data is None else _validation_source(
-        validation_data, val_batch, seed, ranks, pin_host_batches(placement.devices))
+        validation_data, val_batch, seed, ranks, pin_host_batches(placement.devices),
+        model.labels_optional)
     amounts = [("x", _amounts(train))]
     if val is not None:
         amounts.append(("validation_data", _amounts(val)))
@@ -149,7 +148,8 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
     placement, auto = _place(model, devices, work_load_list, None)
     ranks = placement.ranks
     source = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=False, seed=0,
-                         has_labels=has_labels, rank=ranks.rank, world_size=ranks.world_size,
+                         has_labels=has_labels, labels_optional=model.labels_optional,
+                         rank=ranks.rank, world_size=ranks.world_size,
                          pin_memory=pin_host_batches(placement.devices))
     cbs = _callbacks(model, callbacks, verbose, steps=steps or source.num_batches,
                      batch_size=batch_size)
@@ -261,13 +261,13 @@ def _split(x: Any, y: Any, w: Any, fraction: Any) -> tuple[list[Any], list[Any],
 
 
 def _validation_source(data: Any, batch_size: int, seed: int, ranks: Ranks,
-                       pin_memory: bool) -> DataSource:
+                       pin_memory: bool, optional: bool) -> DataSource:
     x, y, w = data, None, None
     if isinstance(data, tuple) and len(data) in (2, 3):
         x, y, w = (*data, None) if len(data) == 2 else data
     return make_source(x, y, w, batch_size=batch_size, shuffle=False, seed=seed,
                        rank=ranks.rank, world_size=ranks.world_size, name="validation_data",
-                       pin_memory=pin_memory)
+                       pin_memory=pin_memory, labels_optional=optional)
 
 
 def _one_shot(x: Any) -> bool:

@@ -93,7 +93,7 @@ class Replicas:
             loss=trainer.objective if trainer is not None else None,
             compile=trainer.config.compile if trainer is not None else False,
             autocast_dtype=autocast, distributed=placement.distributed, compute=step,
-            engine=engine,
+            engine=engine, forward_kwargs=trainer.forward_kwargs if trainer is not None else None,
         )
         self.step = step
         if step is not None:

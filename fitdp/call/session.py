@@ -319,6 +319,14 @@ class Session:
             bound(batch, zero_grad=zero_grad, step=step, total_rows=batch.global_rows)
             return
         trainer = self.trainer
+        uncounted = getattr(trainer.objective, "warn_uncounted", None) if trainer else None
+        if uncounted is not None and bound.is_train:  # compile(loss=None)
+            uncounted(batch.data, batch.label)
+        custom_rows = getattr(trainer.objective, "warn_custom_step_rows", None) \
+            if trainer is not None and self.custom is not None else None
+        several = len(self.mgr.devices) > 1 or self.plan.ranks.enabled
+        if custom_rows is not None and bound.is_train and several and batch.label is not None:
+            custom_rows(batch.label)
         if trainer is not None and batch.label is not None and self.custom is None:
             trainer.objective.check_targets(batch.label)
             if batch.sample_weight is not None and not trainer.objective.supports_sample_weight:

@@ -175,6 +175,29 @@ class Objective:
         (mean over rows) for several losses or sample weights."""
         return self.losses[0].counts(targets) if self.single else None
 
+    @property
+    def declared_counts(self) -> Callable[[Any], torch.Tensor] | None:
+        """What a custom step's slices weigh by: the counts of a loss that says what it
+        averages over (``TokenMean``, a ``counts`` method), never a named loss's ignore
+        index (the step may not call compile's loss at all); None: rows."""
+        return _declared_counts(self.losses[0].spec) if self.single else None
+
+    def warn_custom_step_rows(self, targets: Any) -> None:
+        """Warn, on a custom step's first batch, when compile's loss would count targets it
+        ignores (-100) but does not declare it: the step's slices weigh by rows, since the
+        step may never call compile's loss (``declared_counts``)."""
+        if (self.declared_counts is not None or self.counts(targets) is None
+                or not isinstance(targets, torch.Tensor)
+                or not bool((targets == -100).any())):
+            return
+        warnings.warn(
+            f"loss: a custom train_step's slices weigh by rows, and compile's {self.spec!r} "
+            f"ignores the -100 targets of these labels; if the step returns compile's loss "
+            f"(compute_loss), several devices train another update than one. Fix: declare "
+            f"what it averages over: compile(loss=fitdp.TokenMean(fn)), or compile(loss=None,"
+            f" loss_items='tokens') for a step that returns a model's own loss.",
+            FitdpWarning, stacklevel=2)
+
     def no_weights_message(self) -> str:
         return next(loss.no_weights_message() for loss in self.losses if loss.per_sample is None)
 
@@ -299,6 +322,10 @@ def explain_failure(err: Exception, batch: Any, origin: str) -> Exception:
         hint = "the inputs' last dimension does not match the first layer's in_features"
     elif "out of bounds" in text or "Target" in text:
         hint = "the targets do not match the model's outputs (class indices < number of outputs)"
+    elif isinstance(batch.data, Mapping):
+        hint = (f"a dict batch is passed as module(**batch): its keys {list(batch.data)} must "
+                f"be the names of the forward's arguments (input_ids, attention_mask, labels "
+                f"for a Hugging Face model)")
     message = (f"{origin}: the module's forward or the loss failed on the first batch: "
                f"{type(err).__name__}: {text}. The batch came from {origin}: inputs "
                f"{describe(batch.data, 'x')}; targets {describe(batch.label, 'y')}. "

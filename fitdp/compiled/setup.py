@@ -22,6 +22,7 @@ from fitdp.compiled.optimizers import (
     build_optimizers,
     build_scheduler,
 )
+from fitdp.compiled.own_loss import OwnLoss, own_loss
 from fitdp.executor.engines import Strategy, check_strategy
 
 PRECISIONS: dict[str, torch.dtype | None] = {
@@ -50,6 +51,8 @@ class CompileConfig:
     loss_weights: Sequence[float] | Mapping[str, float] | None = None
     strategy: Strategy = "auto"
     weighted_metrics: MetricsArg = None
+    loss_items: Any = None
+    forward_kwargs: Mapping[str, Any] | None = None
 
 
 class Compiled:
@@ -57,7 +60,8 @@ class Compiled:
 
     Attributes:
         config: what compile was given.
-        objective: ``(outputs, targets[, sample_weight]) -> loss``.
+        objective: ``(outputs, targets[, sample_weight]) -> loss``; an ``OwnLoss`` for
+            ``loss=None`` (the module's own loss).
         optimizer: built on the host module's parameters (carried to the replicas by the
             model when they exist); a ``MultiOptimizer`` for several; None for a module
             without parameters, which can be evaluated but not trained.
@@ -74,7 +78,7 @@ class Compiled:
         (0.5, 'epoch')
     """
 
-    def __init__(self, config: CompileConfig, objective: Objective,
+    def __init__(self, config: CompileConfig, objective: Objective | OwnLoss,
                  optimizer: torch.optim.Optimizer | None, scheduler: Scheduler, interval: str,
                  metrics: dict[str, MetricSpec]) -> None:
         self.config = config
@@ -106,7 +110,9 @@ class Compiled:
         if not isinstance(config.sync_batchnorm, bool):
             check_choice("sync_batchnorm", config.sync_batchnorm, (True, False))
         check_strategy(config.strategy)
-        objective = Objective(config.loss, config.loss_weights)
+        check_forward_kwargs(config.forward_kwargs)
+        objective = own_loss(config.loss, config.loss_items) or Objective(
+            config.loss, config.loss_weights)
         metrics = metric_specs(config.metrics, config.weighted_metrics,
                                objective.binary_outputs())
         if not any(True for _ in module.parameters()):  # nn.Identity: nothing to optimize
@@ -123,6 +129,11 @@ class Compiled:
                  "optimizer_step every N batches, or use one optimizer")
         scheduler, interval = build_scheduler(config.lr_scheduler, optimizer)
         return cls(config, objective, optimizer, scheduler, interval, metrics)
+
+    @property
+    def forward_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments every forward of the module gets (``compile(forward_kwargs=)``)."""
+        return dict(self.config.forward_kwargs or {})
 
     def trainable(self, module: nn.Module) -> torch.optim.Optimizer:
         """The optimizer ``fit`` steps.
@@ -164,3 +175,17 @@ class Compiled:
             # of this process: the order is right, torch's warning is not.
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
             self.scheduler.step()
+
+
+def check_forward_kwargs(kwargs: Any) -> None:
+    """``compile(forward_kwargs=...)``: a dict of keyword arguments fixed for every forward
+    (e.g. ``{"use_cache": False}``).
+
+    Raises:
+        TypeError: not a dict with string keys.
+    """
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        fail("forward_kwargs", kwargs, "a dict of keyword arguments for the module's forward, "
+             "such as {'use_cache': False}", error=TypeError)

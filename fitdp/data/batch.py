@@ -158,6 +158,14 @@ def branch_axes(axes: Axes, key: Any) -> Axes:
     return axes if isinstance(axes, int) else axes[key]
 
 
+def batch_labels(data: Any, labels: Any) -> Any:
+    """The targets of a batch: ``labels`` (``y``) when the data has separate targets, else
+    the ``"labels"`` of a dict of inputs (a Hugging Face batch), else None."""
+    if labels is not None:
+        return labels
+    return data.get("labels") if isinstance(data, Mapping) else None
+
+
 def batch_length(tree: Any, axis: int = 0) -> int:
     """Number of samples (size of the batch ``axis``) of a tree of tensors."""
     leaves = tree_leaves(tree)

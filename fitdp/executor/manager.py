@@ -59,6 +59,7 @@ class DataParallelExecutorManager(StepMixin):
             ``engine`` (``DDP``/``FSDP`` options) through DDP or FSDP2, no flat buckets.
         inputs_need_grad: track the inputs' gradients in training (MXNet's bind option), read
             with ``get_input_grads``.
+        forward_kwargs: keyword arguments every forward gets (``ModuleLoss``).
 
     Example:
         >>> mgr = DataParallelExecutorManager(nn.Linear(4, 2), ["cpu", "cpu"],
@@ -85,6 +86,7 @@ class DataParallelExecutorManager(StepMixin):
         inputs_need_grad: bool = False,
         compute: Compute | None = None,
         engine: DDP | FSDP | None = None,
+        forward_kwargs: dict[str, Any] | None = None,
     ) -> None:
         checks.check_module(module)
         checks.check_bucket_module(bucket_module)
@@ -95,7 +97,8 @@ class DataParallelExecutorManager(StepMixin):
         check_unique_names(module)
         self.logger = logger or logging.getLogger("fitdp")
         self.loss = loss
-        self.compute: Compute = compute if compute is not None else ModuleLoss(loss)
+        self.compute: Compute = compute if compute is not None else ModuleLoss(
+            loss, forward_kwargs)
         self._custom = compute is not None
         self.compile = compile
         self.compile_config = CompileConfig() if compile else None  # for replica threads

@@ -23,14 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fitdp.data.batch import DataBatch, take_rows
-from fitdp.executor.replica import Compute, Executor
+from fitdp.data.batch import DataBatch, batch_labels, take_rows
+from fitdp.executor.replica import Compute, Executor, slice_count
 from fitdp.executor.share_clock import ShareClock
 
 if TYPE_CHECKING:
     from fitdp.executor.update import Update
 
-Count = Callable[[Any], "torch.Tensor | None"]  # labels -> targets the loss means over
+# labels -> targets the loss means over; one with ``reads_inputs`` (``loss_items``) is called
+# (inputs, labels)
+Count = Callable[..., "torch.Tensor | None"]
 
 
 class Job:
@@ -144,9 +146,14 @@ def metric_share(job: Job, d: int) -> None:
     ex = job.executors[d]
     labels = ex.labels if job.metric_labels is None else take_rows(
         job.metric_labels, job.slices[d], ex.axis)
+    outputs = ex.outputs
+    if outputs.__class__ is dict and "logits" in outputs:  # a Hugging Face model's
+        hf_labels = batch_labels(ex.inputs, labels)  # (in the batch dict, or y)
+        if isinstance(hf_labels, torch.Tensor):
+            outputs, labels = outputs["logits"], hf_labels
     if ex.valid > 0 and labels is not None:
-        axes = ex.output_axes(ex.outputs)
-        job.metric.update(d, take_rows(ex.outputs, slice(0, ex.valid), axes),
+        axes = ex.output_axes(outputs)
+        job.metric.update(d, take_rows(outputs, slice(0, ex.valid), axes),
                           ex.valid_rows(labels), ex.valid_rows(ex.weights), axes)
 
 
@@ -213,42 +220,51 @@ def weigh(job: Job, total_rows: int | torch.Tensor, counter: Count | None,
     if counter is None:
         return  # rows weigh the slices (one device, or a loss that means over rows)
     batch = job.batch
+    # A ``loss_items`` count reads the slice's inputs too (a Hugging Face batch holds its
+    # labels); a loss's own count reads the targets.
+    items = getattr(counter, "reads_inputs", False)
     if (len(executors) == 1 and global_count is None) or (
-            batch.sample_weight is not None) or batch.label is None:
+            batch.sample_weight is not None) or (batch.label is None and not items):
         return  # sample weights mean over rows (Keras's sum_over_batch_size); no targets
     if global_count is None and all(ex.device.type == "cpu" for ex in executors):
-        # From the batch's label rows: no device needs its slice loaded first (counted on
+        # From the batch's rows: no device needs its slice loaded first (counted on
         # device 0's thread during the hand-off, the few small ops queued for the GIL behind
         # the other threads': measured 115 us instead of 34 on the 128-wide MLP, two threads).
-        if batch.label is None or job.all_counted(batch.label, counter):
+        if not items and job.all_counted(batch.label, counter):
             return  # no target ignored: each device's count is in proportion to its rows
-        labels = [take_rows(batch.label, slice(sl.start, sl.start + v), job.axis) if v else None
-                  for sl, v in zip(job.slices, job.valid)]
+        parts: list[tuple[Any, Any] | None] = []
+        for sl, v in zip(job.slices, job.valid):
+            rows = slice(sl.start, sl.start + v)
+            parts.append((take_rows(batch.data, rows, job.axis) if items else None,
+                          take_rows(batch.label, rows, job.axis)) if v else None)
     else:  # a collective over the ranks, or counts on the devices: from the loaded slices
         if job.load:
             for d in range(len(executors)):
                 load_share(job, d)
             job.load = False
-        labels = [ex.valid_rows(ex.labels) if ex.labels is not None and ex.valid else None
-                  for ex in executors]
-    counted = count_targets(labels, [ex.device for ex in executors], counter, global_count)
+        parts = [(ex.valid_rows(ex.inputs) if items else None, ex.valid_rows(ex.labels))
+                 if ex.valid and (items or ex.labels is not None) else None
+                 for ex in executors]
+    counted = count_targets(parts, [ex.device for ex in executors], counter, global_count)
     if counted is not None:
         per, total = counted
         for d, c in enumerate(per):
             counts[d], weights[d] = c, c / total.to(c.device, non_blocking=True)
 
 
-def count_targets(labels: Sequence[Any], devices: Sequence[torch.device], counter: Count,
-                  global_count: Callable[[torch.Tensor], torch.Tensor] | None
+def count_targets(parts: Sequence[tuple[Any, Any] | None], devices: Sequence[torch.device],
+                  counter: Count, global_count: Callable[[torch.Tensor], torch.Tensor] | None
                   ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
     """Per device, what its slice's mean loss divides by, and their sum over devices (and
     ranks, ``global_count``): a loss with an ignore index (per-token labels padded with -100)
-    means over the targets it does not ignore, so weighing slices by rows would give another
-    update than one device on the whole batch. None for a loss that means over rows."""
+    means over the targets it does not ignore, and a module's own loss over the items of
+    ``compile(loss_items=...)``, so weighing slices by rows would give another update than
+    one device on the whole batch. ``parts`` holds each device's ``(inputs, labels)`` (None:
+    no rows). None for a loss that means over rows."""
     counts = []
-    for lab, dev in zip(labels, devices):
-        c = counter(lab) if lab is not None else None
-        if c is None and lab is not None:
+    for part, dev in zip(parts, devices):
+        c = None if part is None else slice_count(counter, *part)
+        if c is None and part is not None:
             return None  # the loss means over rows after all
         counts.append(torch.zeros((), device=dev) if c is None else c.float().to(dev))
     total = torch.stack([c.to(devices[0], non_blocking=True) for c in counts]).sum()

@@ -12,7 +12,7 @@ then weighs the loss by the slice's share and keeps it for the logs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -47,13 +47,43 @@ LossFn = Callable[..., torch.Tensor]
 Compute = Callable[["Executor", bool], tuple["torch.Tensor | None", Any]]
 _NULL = contextlib.nullcontext()  # reusable: entering it has no state
 
-def call_module(fn: Callable[..., Any], inputs: Any) -> Any:
-    """Call ``fn`` with a tensor, ``*tuple`` or ``**dict`` of inputs."""
-    if isinstance(inputs, dict):
-        return fn(**inputs)
+def call_module(fn: Callable[..., Any], inputs: Any, kwargs: Mapping[str, Any] | None = None
+                ) -> Any:
+    """Call ``fn`` with a tensor, ``*tuple`` or ``**dict`` of inputs (and ``kwargs``)."""
+    kwargs = kwargs or {}
+    if isinstance(inputs, Mapping):
+        return fn(**inputs, **kwargs)
     if isinstance(inputs, (tuple, list)):
-        return fn(*inputs)
-    return fn(inputs)
+        return fn(*inputs, **kwargs)
+    return fn(inputs, **kwargs)
+
+
+def slice_count(counter: Callable[..., Any], data: Any, labels: Any) -> torch.Tensor | None:
+    """What a slice's mean loss divides by: ``counter(data, labels)`` for the items of
+    ``compile(loss_items=...)`` (``reads_inputs``: a Hugging Face batch holds its labels),
+    ``counter(labels)`` for a loss that counts its targets (None without targets)."""
+    if getattr(counter, "reads_inputs", False):
+        return counter(data, labels)
+    return None if labels is None else counter(labels)
+
+
+def per_row_outputs(outputs: Any) -> Any:
+    """A module's dict of outputs (a Hugging Face ``ModelOutput``) as a plain dict of its
+    per-row tensor fields: scalars (the loss) and what is not a tensor (a ``DynamicCache``)
+    cannot be sliced into rows, joined over batches or read by metrics, so they are dropped.
+    Other outputs are returned as they are."""
+    if not isinstance(outputs, Mapping):
+        return outputs
+    return {k: v for k, v in outputs.items() if _rows_of(v)}
+
+
+def _rows_of(value: Any) -> bool:
+    """A tensor with a batch axis, or a tuple/list of them (hidden states per layer)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(_rows_of(v) for v in value)
+    return isinstance(value, Mapping) and bool(value) and all(_rows_of(v) for v in value.values())
 
 
 class Executor:
@@ -226,6 +256,8 @@ class Executor:
                         if autocast_dtype is not None else _NULL)
             with torch.set_grad_enabled(is_train), autocast:
                 loss, outputs = compute(self, is_train)
+        if outputs.__class__ is not torch.Tensor:  # a ModelOutput: its per-row tensors
+            outputs = per_row_outputs(outputs)
         self.outputs = outputs
         if loss is None:
             return outputs
@@ -246,19 +278,23 @@ class Executor:
 
     def _logged_count(self, compute: Compute) -> int | torch.Tensor:
         """What the logged loss weighs this slice by when the caller gave no count: the
-        targets a counted loss means over (per-token labels padded with -100), else the
-        valid rows; so the logged loss is the same on one device as on several.
+        items of ``compile(loss_items=...)``, the targets a counted loss means over
+        (per-token labels padded with -100), else the valid rows; so the logged loss is the
+        same on one device as on several.
 
         The labels' base tensor (an in-memory source's epoch labels) is counted once while
         it is unchanged: with no target ignored, rows weigh as tokens, and no op is made
         per step."""
         labels = self.labels
+        counter = getattr(compute, "counts", None)
+        if getattr(counter, "reads_inputs", False):  # compile(loss_items=...): the items
+            items = counter(self.valid_rows(self.inputs), self.valid_rows(labels))  # type: ignore[misc]
+            return self.valid if items is None else items
         if self.weights is not None or labels is None:
             return self.valid  # sample weights mean over rows (Keras's sum_over_batch_size)
         if not isinstance(labels, torch.Tensor):
             # A tree of targets (a tuple) is counted as the loss says, as ``weigh`` counts
             # each slice's on several devices: the same logged loss on any device count.
-            counter = getattr(compute, "counts", None)
             counted = None if counter is None else counter(self.valid_rows(labels))
             return self.valid if counted is None else counted
         base = labels._base
@@ -267,7 +303,6 @@ class Executor:
         clean = self._clean
         if clean is not None and clean[0] is base and clean[1] == base._version:
             return self.valid
-        counter = getattr(compute, "counts", None)
         if counter is None:
             return self.valid
         if self.valid < self.rows:
@@ -280,20 +315,22 @@ class Executor:
             return self.valid
         return whole if labels is base else counter(labels)
 
-    def module_outputs(self, is_train: bool) -> Any:
-        """The replica's outputs on the staged inputs (under the caller's grad mode)."""
+    def module_outputs(self, is_train: bool, kwargs: Mapping[str, Any] | None = None) -> Any:
+        """The replica's outputs on the staged inputs (under the caller's grad mode), with
+        the keyword arguments ``kwargs`` (``compile(forward_kwargs=...)``)."""
         if self.compiled or self.inputs_need_grad:
-            return self._call(is_train, self._autocast)
+            return self._call(is_train, self._autocast, kwargs)
         inputs = self.inputs  # the common case, without _call's and call_module's checks
-        return self.fn(inputs) if inputs.__class__ is torch.Tensor else call_module(
-            self.fn, inputs)
+        return self.fn(inputs) if inputs.__class__ is torch.Tensor and not kwargs else \
+            call_module(self.fn, inputs, kwargs)
 
     def signature(self, is_train: bool, autocast_dtype: torch.dtype | None) -> Hashable:
         """What a static compiled graph is specialised on: mode and input shapes and dtypes."""
         leaves = tree_leaves(self.inputs)
         return (is_train, autocast_dtype, tuple((tuple(t.shape), t.dtype) for t in leaves))
 
-    def _call(self, is_train: bool, autocast_dtype: torch.dtype | None) -> Any:
+    def _call(self, is_train: bool, autocast_dtype: torch.dtype | None,
+              kwargs: Mapping[str, Any] | None = None) -> Any:
         """Run the replica; with compile, first make room in dynamo's cache for a new shape."""
         first = False
         if self.compiled:
@@ -314,8 +351,8 @@ class Executor:
             with COMPILE_LOCK:  # see COMPILE_LOCK
                 if self.compile_config is not None:
                     self.compile_config.apply()  # thread-local since torch 2.12
-                return call_module(self.fn, inputs)
-        return call_module(self.fn, inputs)
+                return call_module(self.fn, inputs, kwargs)
+        return call_module(self.fn, inputs, kwargs)
 
     def input_grads(self) -> list[torch.Tensor | None]:
         """The gradient of the loss for each input of the last training batch (valid rows;
@@ -395,8 +432,14 @@ class ModuleLoss:
     (``loss_fn(outputs, targets)``, or ``(outputs, targets, sample_weight)`` when the batch
     carries sample weights). Without labels or ``loss_fn``: the outputs and no loss.
 
+    A ``loss_fn`` with ``loss_of(outputs)`` (``compile(loss=None)``) takes the module's own
+    loss from its outputs instead, on the valid rows of the inputs (padding never enters a
+    mean the module takes itself; targets ``y`` given apart from the inputs are passed as
+    ``labels=``); in evaluation a batch without labels gives no loss.
+
     Args:
         loss_fn: ``callable(outputs, targets) -> scalar``, the mean over the slice, or None.
+        forward_kwargs: keyword arguments of every forward (``compile(forward_kwargs=)``).
 
     Example:
         >>> ex = Executor(nn.Linear(3, 2), torch.device("cpu"), {})
@@ -406,16 +449,21 @@ class ModuleLoss:
         (0, torch.Size([4, 2]))
     """
 
-    def __init__(self, loss_fn: LossFn | None) -> None:
+    def __init__(self, loss_fn: LossFn | None,
+                 forward_kwargs: Mapping[str, Any] | None = None) -> None:
         self.loss_fn = loss_fn
         # What a slice's mean divides by when it is not the rows (see ``job.weigh``).
         self.counts = getattr(loss_fn, "counts", None)
         # The loss without sample weights (a compiled ``Objective`` of one loss: that loss's
         # own function).
         self.unweighted = getattr(loss_fn, "unweighted", loss_fn)
+        self.own: Callable[[Any], torch.Tensor] | None = getattr(loss_fn, "loss_of", None)
+        self.kwargs = dict(forward_kwargs or {})
 
     def __call__(self, ex: Executor, training: bool) -> tuple[torch.Tensor | None, Any]:
-        outputs = ex.module_outputs(training)
+        if self.own is not None:
+            return self._own_loss(ex, training)
+        outputs = ex.module_outputs(training, self.kwargs)
         lab = ex.labels
         if lab is None or ex.valid == 0 or self.loss_fn is None:
             return None, outputs
@@ -428,6 +476,20 @@ class ModuleLoss:
         if w is None:
             return self.unweighted(out, lab), outputs  # type: ignore[misc]
         return self.loss_fn(out, lab, w), outputs
+
+    def _own_loss(self, ex: Executor, training: bool) -> tuple[torch.Tensor | None, Any]:
+        """The module's own loss (``compile(loss=None)``) and its per-row outputs."""
+        if ex.valid < ex.rows:  # padding rows would enter the module's own mean
+            ex.inputs, ex.labels = ex.valid_rows(ex.inputs), ex.valid_rows(ex.labels)
+            ex.rows = ex.valid
+        kwargs = self.kwargs
+        if ex.labels is not None:  # y given apart from the inputs (a BucketIterator's)
+            kwargs = {**kwargs, "labels": ex.labels}
+        outputs = ex.module_outputs(training, kwargs)
+        lossless = (outputs.get("loss") if isinstance(outputs, Mapping) else getattr(
+            outputs, "loss", None)) is None
+        loss = None if lossless and not training else self.own(outputs)  # type: ignore[misc]
+        return loss, outputs
 
 
 def _outputs_only(ex: Executor, training: bool) -> tuple[None, Any]:

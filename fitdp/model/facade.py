@@ -129,6 +129,8 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         loss_weights: Sequence[float] | dict[str, float] | None = None,
         strategy: Strategy = "auto",
         weighted_metrics: MetricsArg = None,
+        loss_items: str | Callable[[Any], Any] | None = None,
+        forward_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Choose the optimizer, loss and metrics (see docs/api.md); resets the optimizer state.
 
@@ -142,8 +144,12 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         layers become ``torch.nn.SyncBatchNorm``. ``strategy``: how ranks share the work under
         torchrun, ``"auto"`` (DDP when each rank drives one device, else fitdp's own
         reduction), ``"ddp"``, ``"fsdp"`` (FSDP2), or ``fitdp.DDP(...)``/``fitdp.FSDP(...)``
-        with options (docs/distributed.md). Every argument is checked and every piece
-        built before anything changes.
+        with options (docs/distributed.md). ``loss=None``: the module's own loss
+        (``outputs.loss``, a Hugging Face model given labels); ``loss_items`` says what that
+        loss averages over (``"tokens"``, ``"causal_lm"`` or a callable, so that several
+        devices train the one-device update); ``forward_kwargs`` are passed to every forward
+        (e.g. ``{"use_cache": False}``; docs/huggingface.md). Every argument is checked and
+        every piece built before anything changes.
 
         The third positional argument is ``metrics`` (Keras's is ``loss_weights``): numbers
         there, or a fourth positional argument (Keras's ``metrics``), are a ``TypeError``
@@ -160,7 +166,8 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         trainer = Compiled.build(self.module, CompileConfig(
             optimizer, loss, metrics, lr, lr_scheduler, precision, grad_clip_norm,
             grad_accum_steps, compile, sync_batchnorm, loss_weights, strategy=strategy,
-            weighted_metrics=weighted_metrics))
+            weighted_metrics=weighted_metrics, loss_items=loss_items,
+            forward_kwargs=forward_kwargs))
         self._release()
         self._trainer = trainer
 

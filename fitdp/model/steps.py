@@ -64,6 +64,15 @@ class KerasSteps:
         return overridden(self, KerasSteps)
 
     @property
+    def labels_optional(self) -> bool:
+        """Whether fit/evaluate may take ``x`` without ``y``: a model with its own step may
+        train without targets (autoencoders, self-supervised; compute_loss gets y=None), and
+        a module that computes its own loss (``compile(loss=None)``) finds them in the batch
+        dict."""
+        own = self._trainer is not None and hasattr(self._trainer.objective, "loss_of")
+        return own or self.steps_overridden
+
+    @property
     def module(self) -> nn.Module:
         """The network. Inside a step: the replica the step runs on; else the host module
         (the trained, device-averaged weights between calls)."""
@@ -76,11 +85,12 @@ class KerasSteps:
     def module(self, value: nn.Module) -> None:
         self._module = value
 
-    def __call__(self, x: Any, training: bool | None = None) -> Any:
-        """The module on ``x`` (a tensor, a tuple of inputs or a dict of keyword inputs);
-        inside a step on the step's replica. ``training`` switches the replica's mode for
-        this call only (Keras's ``training=``; fitdp already runs training steps in train
-        mode and the others in eval mode)."""
+    def __call__(self, x: Any = None, training: bool | None = None, **kwargs: Any) -> Any:
+        """The module on ``x`` (a tensor, a tuple of inputs or a dict of keyword inputs) and
+        ``kwargs`` (``self(**batch, labels=y)`` for a Hugging Face model); inside a step on
+        the step's replica. ``training`` switches the replica's mode for this call only
+        (Keras's ``training=``; fitdp already runs training steps in train mode and the
+        others in eval mode)."""
         context = current()
         mine = context is not None and context.owner is self
         module = self.module
@@ -89,7 +99,7 @@ class KerasSteps:
         if switch:
             module.train(bool(training))
         try:
-            outputs = call_module(fn, x)
+            outputs = fn(**kwargs) if x is None and kwargs else call_module(fn, x, kwargs)
         finally:
             if switch:
                 module.train(not training)
@@ -113,11 +123,11 @@ class KerasSteps:
         context = current()
         if context is not None and context.owner is self:
             context.outputs = y_pred
-        if y is None:
+        objective = self._trainer.objective
+        if y is None and not hasattr(objective, "loss_of"):  # loss=None: y_pred holds it
             fail("y", None, "targets for compile's loss", "pass y to fit/evaluate, or "
                  "override compute_loss (or train_step) for a loss without targets",
                  error=ValueError)
-        objective = self._trainer.objective
         return objective(y_pred, y) if sample_weight is None else objective(
             y_pred, y, sample_weight)
 

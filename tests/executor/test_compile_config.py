@@ -21,12 +21,12 @@ def test_replica_threads_compile_with_the_callers_settings(monkeypatch):
     seen: list[tuple[str, bool, bool, bool]] = []
     call_module = replica.call_module
 
-    def spy(fn, inputs):
+    def spy(fn, inputs, kwargs=None):
         if isinstance(fn, functools.partial):  # a compiled replica: run it eagerly
             seen.append((threading.current_thread().name, dynamo.verbose,
                          inductor.max_autotune, inductor.force_disable_caches))
-            return call_module(fn.args[0], inputs)
-        return call_module(fn, inputs)
+            return call_module(fn.args[0], inputs, kwargs)
+        return call_module(fn, inputs, kwargs)
 
     monkeypatch.setattr(replica, "call_module", spy)
     model = fitdp.Model(nn.Linear(4, 3))

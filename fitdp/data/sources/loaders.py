@@ -14,6 +14,10 @@ from fitdp.data.sources.convert import as_tensors
 from fitdp.data.sources.protocol import SourcePlan, position_problem
 from fitdp.data.sources.tensors import epoch_generator, rebatched
 
+# A dict batch with a compile loss and no targets: the fix for a Hugging Face batch.
+_OWN_LOSS = (", or compile(loss=None) for a module that computes its own loss from a dict "
+             "batch (a Hugging Face model given labels)")
+
 
 class EpochSampler(torch.utils.data.Sampler[int]):
     """Sample order as a function of (seed, epoch) alone, so a resumed run sees the same order."""
@@ -38,7 +42,8 @@ class LoaderSource:
     """Batches from a user's DataLoader, re-iterable object or one-shot iterator, as they are.
 
     Each item is a ``DataBatch``, an ``(x, y)`` pair or an ``(x, y, sample_weight)`` triple
-    (``x`` alone, or ``(x,)``, when predicting). Every batch must have the structure of the
+    (``x`` alone, or ``(x,)``, when predicting); with ``labels_optional`` a dict is ``x``
+    alone too (a Hugging Face batch, its labels inside). Every batch must have the structure of the
     first, so a loader that changes shape mid-epoch fails clearly, not deep in the model.
 
     A re-iterable object (a DataLoader, a list) starts over at every ``set_epoch``. A one-shot
@@ -59,9 +64,11 @@ class LoaderSource:
         [2]
     """
 
-    def __init__(self, loader: Iterable[Any], *, has_labels: bool = True) -> None:
+    def __init__(self, loader: Iterable[Any], *, has_labels: bool = True,
+                 labels_optional: bool = False) -> None:
         self.loader = loader
         self.has_labels = has_labels
+        self.labels_optional = labels_optional
         self.one_shot = iter(loader) is loader
         self.structure: Any = None
         self.epoch = 0
@@ -164,15 +171,18 @@ class LoaderSource:
 
     def _to_batch(self, item: Any) -> DataBatch:
         i = self.position - 1
+        dict_item = isinstance(item, Mapping)
         pair = isinstance(item, (tuple, list))
         w = None
-        if self.has_labels:
+        if dict_item and (self.labels_optional or not self.has_labels):
+            x, y = item, None  # a dict of inputs (a Hugging Face batch holds its labels)
+        elif self.has_labels:
             if not (pair and len(item) in (2, 3)):
                 raise ValueError(
                     f"x: batch {i} of the {type(self.loader).__name__} is "
                     f"{type(item).__name__}{f' of length {len(item)}' if pair else ''}; "
                     f"expected (inputs, targets) pairs or (inputs, targets, sample_weight) "
-                    f"triples. Fix: make the dataset return (x, y)."
+                    f"triples. Fix: make the dataset return (x, y){_OWN_LOSS * dict_item}."
                 )
             x, y = item[0], item[1]
             w = item[2] if len(item) == 3 else None

@@ -47,8 +47,10 @@ def make_source(
             ``IterableDataset`` is batched by ``batch_size`` in its own order: shuffle and
             seed are its own business, as in Keras for generators).
         has_labels: False for predict (targets are not needed).
-        labels_optional: in-memory ``x`` may come without ``y`` (a model with its own
-            step); an ``(x, y)`` tuple is still read as inputs and targets.
+        labels_optional: in-memory ``x`` may come without ``y``, and batches may be dicts of
+            inputs alone (a model with its own step, or ``compile(loss=None)``: a Hugging
+            Face batch holds its labels); an ``(x, y)`` tuple is still read as inputs and
+            targets.
         class_weight: ``{class index: weight}`` (Keras): each sample weighs its class's weight.
         rank, world_size: this process's place in a torch.distributed job.
         name: what to call ``x`` in messages (``validation_data`` for validation).
@@ -63,8 +65,8 @@ def make_source(
     if x is None:
         fail(name, None, "tensors, a Dataset, a DataLoader or an iterable of batches",
              error=ValueError)
-    source = _batch_source(x, y, sample_weight, batch_size, shuffle, seed, has_labels, name,
-                           pin_memory)
+    source = _batch_source(x, y, sample_weight, batch_size, shuffle, seed,
+                           has_labels, labels_optional, name, pin_memory)
     if source is None:
         return _tensor_source(x, y, sample_weight, batch_size, shuffle, seed, has_labels,
                               labels_optional, class_weight, rank, world_size, name, pin_memory)
@@ -80,7 +82,8 @@ def is_source(obj: Any) -> bool:
 
 
 def _batch_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: int,
-                  has_labels: bool, name: str, pin_memory: bool) -> DataSource | None:
+                  has_labels: bool, labels_optional: bool, name: str, pin_memory: bool
+                  ) -> DataSource | None:
     """A source for data that comes in batches (or a Dataset); None for in-memory tensors."""
     if not (is_source(x) or isinstance(x, (DataLoader, Dataset)) or _is_batch_iterable(x)):
         return None
@@ -93,17 +96,18 @@ def _batch_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: 
         return x  # a source already, e.g. a BucketIterator
     if isinstance(x, IterableDataset):  # a stream: batched in its own order (no sampler)
         return LoaderSource(DataLoader(x, batch_size=batch_size, pin_memory=pin_memory),
-                            has_labels=has_labels)
+                            has_labels=has_labels, labels_optional=labels_optional)
     if isinstance(x, Dataset) and not isinstance(x, DataLoader):
         n = _maybe_len(x)
         if n == 0:
             fail(name, "an empty Dataset", "at least one sample", described=True)
         sampler = EpochSampler(n or 0, seed=seed, shuffle=shuffle)
         return LoaderSource(DataLoader(x, batch_size=batch_size, sampler=sampler,
-                                       pin_memory=pin_memory), has_labels=has_labels)
+                                       pin_memory=pin_memory), has_labels=has_labels,
+                            labels_optional=labels_optional)
     if _maybe_len(x) == 0:
         fail(name, f"an empty {type(x).__name__}", "at least one batch", described=True)
-    return LoaderSource(x, has_labels=has_labels)
+    return LoaderSource(x, has_labels=has_labels, labels_optional=labels_optional)
 
 
 def _tensor_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: int,

@@ -1,0 +1,166 @@
+"""``compile(loss=None)``: the module computes its own loss (a Hugging Face model given
+``labels``), and ``loss_items`` says what that loss averages over, so that the slices of a
+batch on several devices and ranks are weighed as the one-device, whole-batch update.
+
+A module's own loss is a mean, over the batch's rows for a sequence classifier, over its
+tokens that are not ignored (-100) for a token classifier or a causal language model. A
+slice's mean weighed by its rows then gives another update than the whole batch as soon as
+the slices hold different numbers of tokens; weighed by its items (``ItemCount``), it gives
+the same. The executor reads the count of every slice (``fitdp.executor.per_replica.weigh``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from fitdp.checks import FitdpWarning, fail
+from fitdp.data.batch import batch_labels
+
+IGNORE_INDEX = -100  # what torch's cross_entropy and Hugging Face's losses ignore
+ITEMS = ("tokens", "causal_lm")
+LossItems = str | Callable[[Any], Any] | None
+
+
+class ItemCount:
+    """What a module's own loss averages over in a slice (``compile(loss_items=...)``).
+
+    Called ``count(data, labels)`` with the slice's inputs (the dict a Hugging Face model
+    takes as ``module(**data)``) and its separate targets (None when they are in the dict).
+
+    Args:
+        spec: ``"tokens"`` (labels that are not -100), ``"causal_lm"`` (labels after the
+            first position that are not -100: what a causal LM averages over once it
+            shifts them), or a callable given the slice (the dict; ``(x, y)`` when the
+            data has separate targets) that returns the count (an int or an integer
+            tensor). A name counts None for a batch without labels (predict).
+
+    Raises:
+        ValueError, TypeError: an unknown name, or neither a name nor a callable.
+
+    Example:
+        >>> count = ItemCount("causal_lm")
+        >>> int(count({"labels": torch.tensor([[1, 2, -100], [3, -100, -100]])}, None))
+        2
+    """
+
+    reads_inputs = True  # the executor hands it the slice's inputs and targets
+
+    def __init__(self, spec: str | Callable[[Any], Any]) -> None:
+        if isinstance(spec, str):
+            if spec not in ITEMS:
+                fail("loss_items", spec, f"one of {list(ITEMS)}, or a callable(batch) -> "
+                     "count", "pass loss_items='tokens' for a loss over every labelled "
+                     "token, 'causal_lm' for a causal LM's shifted labels")
+        elif not callable(spec):
+            fail("loss_items", spec, f"one of {list(ITEMS)}, or a callable(batch) -> count",
+                 error=TypeError)
+        self.spec = spec
+
+    def __call__(self, data: Any, labels: Any) -> torch.Tensor | None:
+        spec = self.spec
+        if callable(spec):
+            count = spec(data if labels is None else (data, labels))
+            if not isinstance(count, torch.Tensor):
+                count = torch.tensor(int(count))
+            return count
+        targets = batch_labels(data, labels)
+        if not isinstance(targets, torch.Tensor):
+            return None  # no labels (predict): no loss to weigh
+        if spec == "causal_lm":
+            targets = targets[..., 1:]
+        return (targets != IGNORE_INDEX).sum()
+
+
+class OwnLoss:
+    """The objective of ``compile(loss=None)``: the module's own ``outputs.loss`` (or
+    ``outputs["loss"]``), a scalar mean over the slice.
+
+    Args:
+        loss_items: what that loss averages over (see ``ItemCount``), or None: the rows.
+
+    Example:
+        >>> OwnLoss(None).loss_of({"loss": torch.tensor(0.5), "logits": torch.zeros(2, 3)})
+        tensor(0.5000)
+    """
+
+    supports_sample_weight = False
+
+    def __init__(self, loss_items: LossItems) -> None:
+        self.loss_items = loss_items
+        self.counts = None if loss_items is None else ItemCount(loss_items)
+        self.declared_counts = self.counts  # a custom step's slices weigh by it too
+        self.unweighted = self
+
+    def __call__(self, outputs: Any, targets: Any = None, weight: Any = None) -> torch.Tensor:
+        return self.loss_of(outputs)
+
+    def loss_of(self, outputs: Any) -> torch.Tensor:
+        """The loss the module returned.
+
+        Raises:
+            ValueError: the outputs hold no loss (naming what they hold and what to pass).
+        """
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(
+            outputs, "loss", None)
+        if not isinstance(loss, torch.Tensor):
+            held = (f"outputs with keys {list(outputs)}" if isinstance(outputs, Mapping) else
+                    f"outputs of type {type(outputs).__name__}")
+            fail("compile(loss=None)", f"{held} and no 'loss'",
+                 "a module that returns its own loss (outputs.loss or outputs['loss'], a "
+                 "scalar tensor)", "put the labels in the batch (a Hugging Face model "
+                 "computes its loss when the batch holds 'labels'), or compile with a loss "
+                 "such as loss='cross_entropy' and pass y", described=True)
+        return loss
+
+    def warn_uncounted(self, data: Any, labels: Any) -> None:
+        """Warn when the first batch's labels hold -100 and no ``loss_items`` says what the
+        module's loss averages over (slices and the logged loss are weighed by rows)."""
+        targets = batch_labels(data, labels)
+        if (self.counts is not None or not isinstance(targets, torch.Tensor)
+                or targets.is_floating_point() or not bool((targets == IGNORE_INDEX).any())):
+            return
+        warnings.warn(
+            "compile(loss=None): the batch's labels hold -100 (ignored targets) but no "
+            "loss_items says what the module's loss averages over, so several devices or "
+            "ranks and the logged loss weigh each slice by its rows, while the model "
+            "likely averages over tokens: another update than on one device. Fix: "
+            "compile(loss=None, loss_items='tokens') (a token classifier, a masked LM) or "
+            "loss_items='causal_lm' (a causal LM, which shifts its labels).",
+            FitdpWarning, stacklevel=2)
+
+    def check_targets(self, targets: Any) -> None:
+        """Nothing to check: the module reads its targets itself."""
+
+    def check_outputs(self, outputs: Any) -> None:
+        """Nothing to check: the module computes its loss itself."""
+
+    def label_problem(self, outputs: Any, targets: Any) -> str | None:
+        return None
+
+    def binary_outputs(self) -> dict[Any, bool]:
+        return {None: False}
+
+    def no_weights_message(self) -> str:
+        return ("sample_weight: got per-sample weights with compile(loss=None); expected no "
+                "weights (the module averages its own loss). Fix: compile with a loss that "
+                "takes per-sample weights, or weigh the loss inside the module.")
+
+
+def own_loss(loss: Any, loss_items: LossItems) -> OwnLoss | None:
+    """``OwnLoss`` for ``compile(loss=None)``; None for a compile loss (``loss_items`` then
+    has no meaning and is refused).
+
+    Raises:
+        ValueError: ``loss_items`` with a compile loss; an unknown ``loss_items``.
+    """
+    if loss is None:
+        return OwnLoss(loss_items)
+    if loss_items is not None:
+        fail("loss_items", loss_items, "None when compile has a loss (loss_items says what "
+             "the module's own loss averages over)", "compile(loss=None, loss_items=...) "
+             "for a module that computes its loss, or drop loss_items")
+    return None

@@ -1,0 +1,43 @@
+"""Hugging Face models under torchrun (issue 29 item 6): two gloo ranks on 127.0.0.1 train
+the module's own loss on dict batches, DDP and FSDP2 (each transformer block sharded), and
+give the one-process hand loop's weights, History, evaluate and predict.
+
+The reference is tests/model/test_huggingface.py's hand loop: ``model(**batch).loss`` on
+each whole global batch of 8 rows in order, one process. Each rank holds 4 of the rows; the
+``loss_items`` counts (GPT-2's shifted labelled tokens, the tagger's labelled tokens) are
+all-reduced over the ranks, so each rank's slice weighs its share of the global count.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed.test_distributed import launch
+from tests.model.test_huggingface import CASES, hand_loop
+
+WORKER = os.path.join(os.path.dirname(__file__), "hf_worker.py")
+pytestmark = pytest.mark.distributed
+
+
+def test_two_ranks_train_the_one_process_update_on_dict_batches(tmp_path):
+    """DDP and FSDP2 on 2 ranks, BERT classification, GPT-2 with padding and token
+    classification, and GPT-2 from a DataLoader of dicts: allclose 1e-5 with the hand loop."""
+    code, output, _ = launch("", tmp_path, limit=400, script=[WORKER, str(tmp_path)])
+    assert code == 0, output[-3000:]
+    runs = {f"{case}-{tag}": case for case in CASES for tag in ("ddp", "fsdp")}
+    runs["gpt2-loader-ddp"] = "gpt2-causal-lm"
+    for run, case in runs.items():
+        make, data_of, loss_items = CASES[case]
+        ref = make()
+        history, whole_loss, whole_logits = hand_loop(ref, data_of(), loss_items)
+        got = torch.load(tmp_path / f"{run}.pt", weights_only=False)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got["weights"][k], v, atol=1e-5, rtol=1e-5,
+                                       msg=f"{run}: {k}")
+        assert got["history"]["loss"] == pytest.approx(history, abs=1e-5), run
+        assert got["evaluate"]["loss"] == pytest.approx(whole_loss, abs=1e-5), run
+        torch.testing.assert_close(got["logits"], whole_logits, atol=1e-5, rtol=1e-5,
+                                   msg=run)
