@@ -123,6 +123,10 @@ class Session:
                 if not self.manual:
                     self.train.step_now()  # type: ignore[union-attr]
                 self._stepped()
+        # Same position, read again now the epoch's iterator has ended: a sampler may draw
+        # from its generator as it stops (torch's RandomSampler does), and the next epoch's
+        # order starts there.
+        self.data_state = plan.source.state_dict()
         logs = self.read_logs()
         self.mgr.sync_buffers()  # every replica (and the saved model) gets the same BN stats
         return logs
@@ -347,7 +351,12 @@ class Session:
             self.plan.source.load_state_dict(state)
             self.data_state = state
 
-        return Entry(lambda: self.data_state, load)
+        def problem(state: dict[str, Any]) -> None:
+            check = getattr(self.plan.source, "check_resume", None)  # (a LoaderSource's)
+            if check is not None:
+                check(state)  # raises ValueError: a refusal names resume, not the file
+
+        return Entry(lambda: self.data_state, load, problem)
 
     def rollback(self) -> None:
         """After a failure: drop the gradients and the position of batches not stepped, and

@@ -44,8 +44,10 @@ class Entry:
         {'n': 5}
     """
 
-    def __init__(self, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+    def __init__(self, save: Callable[[], Any], load: Callable[[Any], None],
+                 problem: Callable[[Any], str | None] | None = None) -> None:
         self.save, self.load = save, load
+        self.problem = problem  # checked before any entry loads (``restore``)
 
     def state_dict(self) -> Any:
         return self.save()
