@@ -124,6 +124,16 @@ class Ranks:
             dist.all_reduce(values)
         return values
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (every rank gets the same answer): one
+        all-reduce of one number, on the host under gloo (no device sync)."""
+        if not self.enabled:
+            return flag
+        cuda = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
+        value = torch.tensor([int(flag)], device="cuda" if cuda else "cpu")
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
     def check_even(self, name: str, counts: dict[str, int | None]) -> None:
         """Every rank must see the same amount of data, or the ranks fall out of step in a
         collective (gloo aborts with "Received data size doesn't match"), or one finishes

@@ -27,7 +27,7 @@ from fitdp.compiled.setup import CompileConfig, Compiled
 from fitdp.data.sequence import PAD_VALUE, check_pad_args
 from fitdp.executor.devices import DevicesArg
 from fitdp.executor.engines import Strategy
-from fitdp.executor.interrupts import GUARD
+from fitdp.executor.interrupts import GUARD, Preempted
 from fitdp.executor.monitor import Monitor
 from fitdp.model.extras import ModelExtras, keras_logs
 from fitdp.model.saving import ModelIO
@@ -186,7 +186,7 @@ class Model(KerasSteps, ModelIO, ModelExtras):
             resume=resume, log_every=log_every, timeout=timeout)
         run, cbs = self.run, plan.callbacks
         self._trained_on = plan.source.plan()  # export's batch and sequence axes
-        with self._call(plan, trainer) as session:
+        with self._call(plan, trainer) as session, session.preemption():
             run.begin_fit(initial_epoch)
             session.start_fit()
             saved = self._resume(plan.resume) if plan.resume else None
@@ -206,6 +206,7 @@ class Model(KerasSteps, ModelIO, ModelExtras):
                     logs.update({f"val_{k}": v for k, v in val.items()})
                 session.end_epoch(logs)
                 cbs.call("on_epoch_end", epoch, logs)
+                session.stop_if_preempted()  # SIGTERM: backups written, Preempted raised
                 if run.stop_training:
                     break
             cbs.call("on_train_end", logs)
@@ -278,7 +279,8 @@ class Model(KerasSteps, ModelIO, ModelExtras):
             except Exception as save_err:  # noqa: BLE001 - the call's own error wins
                 warnings.warn(f"a background checkpoint save failed too: {save_err!r}",
                               FitdpWarning, stacklevel=3)
-            plan.ranks.report_failure(err)
+            if not isinstance(err, Preempted):  # (every rank stops at the same step)
+                plan.ranks.report_failure(err)
             raise
         finally:
             self._session = None
