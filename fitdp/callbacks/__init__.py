@@ -14,6 +14,7 @@ from fitdp.callbacks.early_stopping import EarlyStopping
 from fitdp.callbacks.history import History
 from fitdp.callbacks.lambda_callback import LambdaCallback
 from fitdp.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
+from fitdp.callbacks.mlflow_logger import MLflowLogger
 from fitdp.callbacks.model_checkpoint import ModelCheckpoint
 from fitdp.callbacks.nan import TerminateOnNaN
 from fitdp.callbacks.progress import ProgressBar, Speedometer
@@ -21,6 +22,7 @@ from fitdp.callbacks.tensorboard import TensorBoard
 
 __all__ = [
     "HOOKS", "BackupAndRestore", "CSVLogger", "Callback", "CallbackList", "EarlyStopping",
-    "History", "LambdaCallback", "LearningRateScheduler", "ModelCheckpoint", "ProgressBar",
-    "ReduceLROnPlateau", "Speedometer", "TensorBoard", "TerminateOnNaN", "state_keys",
+    "History", "LambdaCallback", "LearningRateScheduler", "MLflowLogger", "ModelCheckpoint",
+    "ProgressBar", "ReduceLROnPlateau", "Speedometer", "TensorBoard", "TerminateOnNaN",
+    "state_keys",
 ]
