@@ -79,6 +79,7 @@ class Session:
         self.batch_reads = self.exact_logs or listens or plan.ranks.enabled
         self.data_state: dict[str, Any] | None = None  # train source at the last step
         self.watching = False  # SIGTERM is read between training steps (``preemption``)
+        self.vote: Any = None  # under torchrun: the flag of the last step boundary, in flight
         self.checked = False  # the first batch ran (its errors came back with context)
         self.verified = False  # the checks that need the model's outputs are done
         self.scale = trainer.loss_scale() if trainer is not None else None
@@ -199,8 +200,8 @@ class Session:
     def preemption(self) -> Iterator[None]:
         """Read SIGTERM between this fit's training steps (``stop_if_preempted``). Under
         torchrun only when the call has a backup to write (a ``BackupAndRestore``): the
-        ranks then agree at every step, so a signal to one stops all at the same step; one
-        all-reduce of one number per step, paid only then."""
+        ranks then agree, so a signal to one stops all after the same step; one all-reduce
+        of one number per step, paid only then."""
         ranks = self.plan.ranks
         if ranks.enabled and not self._backups():
             yield  # SIGTERM ends each rank as it always did
@@ -209,14 +210,31 @@ class Session:
             self.watching = on
             try:
                 yield
+                self._end_vote()
+            except Preempted:
+                self._end_vote()
+                raise
             finally:
-                self.watching = False
+                self.watching, self.vote = False, None
 
     def preempted(self) -> bool:
-        """Whether SIGTERM came (on any rank), read at a step boundary."""
+        """Whether SIGTERM came (on any rank), read at a step boundary. Under torchrun the
+        ranks agree one boundary late: each boundary's flag is all-reduced while the next
+        step runs (its latency hidden behind the step), and every rank reads the same
+        answer at the same boundary."""
         if not self.watching:
             return False
-        return self.plan.ranks.any(SIGTERM.requested)
+        ranks = self.plan.ranks
+        if not ranks.enabled:
+            return SIGTERM.requested
+        earlier, self.vote = self.vote, ranks.vote(SIGTERM.requested)
+        return earlier is not None and ranks.tally(earlier)
+
+    def _end_vote(self) -> None:
+        """Wait for the vote in flight (every rank started it) before the call ends."""
+        if self.vote is not None:
+            self.plan.ranks.tally(self.vote)
+            self.vote = None
 
     def stop_if_preempted(self) -> None:
         """After SIGTERM: every ``BackupAndRestore`` writes its backup of the model as of
