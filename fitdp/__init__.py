@@ -13,6 +13,7 @@ from fitdp.data.bucketing import BucketIterator
 from fitdp.data.sequence import TokenMean
 from fitdp.executor.engines import DDP, FSDP
 from fitdp.executor.gather import all_gather
+from fitdp.executor.interrupts import Preempted
 from fitdp.executor.monitor import Monitor
 from fitdp.model.facade import Model
 from fitdp.model.steps import unpack_x_y_sample_weight
@@ -21,7 +22,7 @@ from fitdp.saving.export import load_predictor
 
 __all__ = [
     "DDP", "FSDP", "BucketIterator", "CheckpointError", "DataBatch", "DataDesc", "Model",
-    "Monitor", "TokenMean",
+    "Monitor", "Preempted", "TokenMean",
     "__version__", "all_gather", "callbacks", "executor", "load_predictor",
     "unpack_x_y_sample_weight",
 ]

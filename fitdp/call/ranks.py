@@ -124,6 +124,21 @@ class Ranks:
             dist.all_reduce(values)
         return values
 
+    def vote(self, flag: bool) -> tuple[Any, torch.Tensor]:
+        """Start the all-reduce (max) of ``flag`` over the ranks and return at once; read
+        the answer with ``tally`` (every rank gets the same). One number, on the host under
+        gloo."""
+        cuda = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
+        value = torch.tensor([int(flag)], device="cuda" if cuda else "cpu")
+        return dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True), value
+
+    @staticmethod
+    def tally(vote: tuple[Any, torch.Tensor]) -> bool:
+        """Whether any rank voted yes in ``vote`` (waits for it to complete)."""
+        work, value = vote
+        work.wait()
+        return bool(value.item())
+
     def check_even(self, name: str, counts: dict[str, int | None]) -> None:
         """Every rank must see the same amount of data, or the ranks fall out of step in a
         collective (gloo aborts with "Received data size doesn't match"), or one finishes

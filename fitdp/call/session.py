@@ -8,7 +8,9 @@ step, the first-batch checks) and changes the model's lasting state only through
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -30,7 +32,7 @@ from fitdp.data.batch import DataBatch, batch_length, take_rows, tree_cat, tree_
 from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.bound_step import BatchStep
-from fitdp.executor.interrupts import GUARD
+from fitdp.executor.interrupts import GUARD, SIGTERM, Preempted
 from fitdp.executor.monitor import Monitor
 from fitdp.executor.replica import call_module
 from fitdp.saving.entries import Entry, EpochLogs
@@ -78,6 +80,8 @@ class Session:
         listens = cbs.listens("on_train_batch_end") or cbs.listens("on_test_batch_end")
         self.batch_reads = self.exact_logs or listens or plan.ranks.enabled
         self.data_state: dict[str, Any] | None = None  # train source at the last step
+        self.watching = False  # SIGTERM is read between training steps (``preemption``)
+        self.vote: Any = None  # under torchrun: the flag of the last step boundary, in flight
         self.checked = False  # the first batch ran (its errors came back with context)
         self.verified = False  # the checks that need the model's outputs are done
         self.scale = trainer.loss_scale() if trainer is not None else None
@@ -118,13 +122,18 @@ class Session:
         self.reset_logs()
         self.epoch_logs.begin()  # resumed mid-epoch: they go on from the checkpoint's
         run_batches(self._epoch_batches(), plan.callbacks, TRAIN, self.train_step,
-                    lambda: run.stop_training)
+                    lambda: self.preempted() or run.stop_training)  # (every rank asks)
+        self.stop_if_preempted()  # (before the partial step below: the backup is of the last)
         self.epoch_logs.live = False
         if run.micro_step:  # the epoch's last batches, fewer than grad_accum_steps
             with GUARD.critical():
                 if not self.manual:
                     self.train.step_now()  # type: ignore[union-attr]
                 self._stepped()
+        # Same position, read again now the epoch's iterator has ended: a sampler may draw
+        # from its generator as it stops (torch's RandomSampler does), and the next epoch's
+        # order starts there.
+        self.data_state = plan.source.state_dict()
         logs = self.read_logs()
         self.mgr.sync_buffers()  # every replica (and the saved model) gets the same BN stats
         return logs
@@ -186,6 +195,72 @@ class Session:
             if monitor is not None:
                 monitor.report(run.epoch)
         return self._batch_logs(index)
+
+    # -- preemption ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def preemption(self) -> Iterator[None]:
+        """Read SIGTERM between this fit's training steps (``stop_if_preempted``). Under
+        torchrun only when the call has a backup to write (a ``BackupAndRestore``): the
+        ranks then agree, so a signal to one stops all after the same step; one all-reduce
+        of one number per step, paid only then."""
+        ranks = self.plan.ranks
+        if ranks.enabled and not self._backups():
+            yield  # SIGTERM ends each rank as it always did
+            return
+        with SIGTERM.installed() as on:
+            self.watching = on
+            try:
+                yield
+                self._end_vote()
+            except Preempted:
+                self._end_vote()
+                raise
+            finally:
+                self.watching, self.vote = False, None
+
+    def preempted(self) -> bool:
+        """Whether SIGTERM came (on any rank), read at a step boundary. Under torchrun the
+        ranks agree one boundary late: each boundary's flag is all-reduced while the next
+        step runs (its latency hidden behind the step), and every rank reads the same
+        answer at the same boundary."""
+        if not self.watching:
+            return False
+        ranks = self.plan.ranks
+        if not ranks.enabled:
+            return SIGTERM.requested
+        earlier, self.vote = self.vote, ranks.vote(SIGTERM.requested)
+        return earlier is not None and ranks.tally(earlier)
+
+    def _end_vote(self) -> None:
+        """Wait for the vote in flight (every rank started it) before the call ends."""
+        if self.vote is not None:
+            self.plan.ranks.tally(self.vote)
+            self.vote = None
+
+    def stop_if_preempted(self) -> None:
+        """After SIGTERM: every ``BackupAndRestore`` writes its backup of the model as of
+        the last optimizer step, and ``fitdp.Preempted`` is raised.
+
+        Raises:
+            Preempted: SIGTERM came (on any rank).
+        """
+        if not self.preempted():
+            return
+        backups = self._backups()
+        for cb in backups:
+            cb.backup_now()
+        where = ", ".join(cb.path for cb in backups) or "no BackupAndRestore: nothing saved"
+        message = (f"fit: preempted (SIGTERM) after optimizer step {self.run.global_step}; "
+                   f"backup: {where}. Run the same script again to resume from it.")
+        if self.plan.ranks.is_main:
+            print(message, file=sys.stderr, flush=True)
+        raise Preempted(message)
+
+    def _backups(self) -> list[Any]:
+        """The call's callbacks that keep a backup to resume from (``backup_now()``)."""
+        return [cb for cb in self.plan.callbacks.callbacks
+                if callable(getattr(cb, "backup_now", None))]
 
     def _stepped(self) -> None:
         """What follows an optimizer step: the scheduler, the counters, the data position."""

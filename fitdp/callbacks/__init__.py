@@ -15,6 +15,7 @@ from fitdp.callbacks.ema import EMA
 from fitdp.callbacks.history import History
 from fitdp.callbacks.lambda_callback import LambdaCallback
 from fitdp.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
+from fitdp.callbacks.mlflow_logger import MLflowLogger
 from fitdp.callbacks.model_checkpoint import ModelCheckpoint
 from fitdp.callbacks.nan import TerminateOnNaN
 from fitdp.callbacks.progress import ProgressBar, Speedometer
@@ -24,7 +25,7 @@ from fitdp.callbacks.weight_averaging import WeightAveraging
 
 __all__ = [
     "EMA", "HOOKS", "SWA", "BackupAndRestore", "CSVLogger", "Callback", "CallbackList",
-    "EarlyStopping", "History", "LambdaCallback", "LearningRateScheduler", "ModelCheckpoint",
-    "ProgressBar", "ReduceLROnPlateau", "Speedometer", "TensorBoard", "TerminateOnNaN",
-    "WeightAveraging", "state_keys",
+    "EarlyStopping", "History", "LambdaCallback", "LearningRateScheduler", "MLflowLogger",
+    "ModelCheckpoint", "ProgressBar", "ReduceLROnPlateau", "Speedometer", "TensorBoard",
+    "TerminateOnNaN", "WeightAveraging", "state_keys",
 ]

@@ -132,6 +132,15 @@ class BackupAndRestore(Callback):
         else:
             self.model.save(self.path)
 
+    def backup_now(self) -> None:
+        """Write the backup of the model as it is now and wait until it is on disk (``fit``
+        calls it when the job is preempted, at a step boundary); nothing to do when this
+        step's backup was just written."""
+        if self.save_freq == "epoch" or self._last_step != int(self.model.global_step):
+            self._last_step = int(self.model.global_step)
+            self._backup()
+        self._wait()
+
     def _wait(self) -> None:
         if self._pending:
             self.model.wait_for_saves()  # raises the error of a failed background save

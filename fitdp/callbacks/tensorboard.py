@@ -45,7 +45,7 @@ class TensorBoard(Callback):
             fail("TensorBoard(log_dir=...)", log_dir,
                  "a non-empty folder path such as 'runs/exp1'", error=TypeError)
         self.histogram_freq = check_int("TensorBoard(histogram_freq=...)", histogram_freq, 0)
-        self.update_freq = _check_update_freq(update_freq)
+        self.update_freq = check_update_freq(update_freq, "TensorBoard")
         try:  # fail at construction, not at the end of the first epoch
             importlib.import_module("tensorboard")
         except ImportError as e:
@@ -106,11 +106,11 @@ class TensorBoard(Callback):
         self._batches = int(state.get("batches", 0))
 
 
-def _check_update_freq(update_freq: Any) -> str | int:
-    """"epoch", or the batch interval: "batch" is 1 (Keras)."""
+def check_update_freq(update_freq: Any, owner: str) -> str | int:
+    """"epoch", or the batch interval: "batch" is 1 (Keras); ``owner`` names the callback."""
     if isinstance(update_freq, str) and update_freq in ("epoch", "batch"):
         return 1 if update_freq == "batch" else "epoch"
     if isinstance(update_freq, str):
-        fail("TensorBoard(update_freq=...)", update_freq, "'epoch', 'batch' or an int >= 1")
-    return check_int("TensorBoard(update_freq=...)", update_freq, 1,
+        fail(f"{owner}(update_freq=...)", update_freq, "'epoch', 'batch' or an int >= 1")
+    return check_int(f"{owner}(update_freq=...)", update_freq, 1,
                      fix="pass 'epoch', 'batch' or an int >= 1")

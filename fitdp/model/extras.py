@@ -7,6 +7,7 @@ one-batch source), so they share fit's step, checks, rollback and device handlin
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,14 @@ class ModelExtras:
                   ) -> AbstractContextManager[Session]: ...
 
         def _compiled(self, what: str) -> Compiled: ...
+
+    def get_compile_config(self) -> dict[str, Any]:
+        """What ``compile`` was given, by argument name (Keras's ``get_compile_config``);
+        an empty dict before ``compile``. Experiment trackers log it (``MLflowLogger``)."""
+        if self._trainer is None:
+            return {}
+        config = self._trainer.config
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
     def summary(self, x: Any = None, *, input_shape: Any = None, expand_nested: bool = False,
                 show_trainable: bool = False, line_length: int = 80,

@@ -28,7 +28,7 @@ from fitdp.data.sequence import PAD_VALUE, check_pad_args
 from fitdp.executor.checks import check_bucket_module
 from fitdp.executor.devices import DevicesArg
 from fitdp.executor.engines import Strategy
-from fitdp.executor.interrupts import GUARD
+from fitdp.executor.interrupts import GUARD, Preempted
 from fitdp.executor.monitor import Monitor
 from fitdp.model.extras import ModelExtras, keras_logs
 from fitdp.model.saving import ModelIO
@@ -204,7 +204,7 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         run, cbs = self.run, plan.callbacks
         self._trained_on = plan.source.plan()  # export's batch and sequence axes
         self._averaging = next((cb for cb in cbs if isinstance(cb, WeightAveraging)), None)
-        with self._call(plan, trainer) as session:
+        with self._call(plan, trainer) as session, session.preemption():
             run.begin_fit(initial_epoch)
             session.start_fit()
             saved = self._resume(plan.resume) if plan.resume else None
@@ -224,6 +224,7 @@ class Model(KerasSteps, ModelIO, ModelExtras):
                     logs.update({f"val_{k}": v for k, v in val.items()})
                 session.end_epoch(logs)
                 cbs.call("on_epoch_end", epoch, logs)
+                session.stop_if_preempted()  # SIGTERM: backups written, Preempted raised
                 if run.stop_training:
                     break
             cbs.call("on_train_end", logs)
@@ -311,7 +312,8 @@ class Model(KerasSteps, ModelIO, ModelExtras):
             except Exception as save_err:  # noqa: BLE001 - the call's own error wins
                 warnings.warn(f"a background checkpoint save failed too: {save_err!r}",
                               FitdpWarning, stacklevel=3)
-            plan.ranks.report_failure(err)
+            if not isinstance(err, Preempted):  # (every rank stops at the same step)
+                plan.ranks.report_failure(err)
             raise
         finally:
             self._session = None

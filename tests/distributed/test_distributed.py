@@ -156,6 +156,23 @@ def test_a_restarted_rank_logs_the_uninterrupted_loss_and_metrics(restart_job, g
         assert got[key] == pytest.approx(values, rel=1e-6, abs=1e-7), key
 
 
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_a_restart_resumes_bitwise(
+        tmp_path, good_job):
+    """Preemption under torchrun (issue 32 item 3): rank 1 alone gets SIGTERM; the ranks agree
+    at a step boundary, write the backup together and exit with 143 (no rank reported as
+    failed); torchrun's restart resumes to the weights of the uninterrupted job."""
+    code, output, _ = launch("preempt", tmp_path, max_restarts=1)
+    assert code == 0, output
+    assert (tmp_path / "preempt" / "sigterm").exists()  # the signal was sent
+    # agreed one step late (the flag's all-reduce runs behind step 5): rank 0 says it once
+    assert output.count("fit: preempted (SIGTERM) after optimizer step 5") == 1, output
+    assert "failed" not in output.split("fit: preempted")[0], output
+    ref = torch.load(good_job / "uninterrupted" / "weights.pt", weights_only=True)
+    got = torch.load(tmp_path / "preempt" / "weights.pt", weights_only=True)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
 def test_digits_example_under_torchrun(tmp_path):
     example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_digits.py")
     code, output, _ = launch("", tmp_path, script=[os.path.abspath(example), "--fast"])

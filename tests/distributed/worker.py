@@ -112,6 +112,21 @@ def resumable(kill: bool) -> Callable[[str], None]:
     return run
 
 
+def preempt(out: str) -> None:
+    """``uninterrupted``'s fit with per-epoch backups; rank 1 alone is sent SIGTERM after
+    step 4 (mid-epoch 0), once: both ranks stop after the same step and exit with 143."""
+    def sigterm(batch, logs):
+        marker = os.path.join(out, "sigterm")
+        if RANK == 1 and m.global_step == 4 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    m = model()
+    m.fit(x, y, batch_size=5, epochs=3, seed=3, verbose=0, callbacks=[
+        BackupAndRestore(os.path.join(out, "backup")), LambdaCallback(on_train_batch_end=sigterm)])
+    save(out, "weights.pt", m.module.state_dict())
+
+
 def stop_with_checkpoint(out: str) -> None:
     m = model()
 
@@ -133,7 +148,7 @@ SCENARIOS: dict[str, Callable[[str], None]] = {
     "raise": fault("raise"), "kill": fault("kill"), "stall": fault("stall"),
     "raise_slow_exit": raise_slow_exit, "restart": resumable(kill=True),
     "uninterrupted": resumable(kill=False), "stop_with_checkpoint": stop_with_checkpoint,
-    "uneven": uneven,
+    "uneven": uneven, "preempt": preempt,
 }
 
 x, y = data()

@@ -58,6 +58,14 @@ class LoaderSource:
     that, a mid-epoch resume is a ValueError naming ``resume``, rather than replaying a
     stream that may not replay; a resume from an epoch's end needs nothing.
 
+    Any other DataLoader resumes mid-epoch by replaying its epoch: the states of torch's RNG
+    and of the loader's own generators at the epoch's start are saved, so the order and the
+    workers' seeds (their augmentation) come out as before, and the batches trained before
+    the stop are read and skipped. A loader with ``state_dict()``/``load_state_dict()``
+    (torchdata's ``StatefulDataLoader``) is saved and continues by itself instead, workers
+    and all, reading nothing twice. Persistent workers cannot be replayed (their random
+    draws carry over from earlier epochs): a mid-epoch resume of them is refused.
+
     Example:
         >>> src = LoaderSource([(torch.zeros(2, 3), torch.zeros(2))])
         >>> [b.batch_size for b in src]
@@ -75,6 +83,13 @@ class LoaderSource:
         self.position = 0  # batches consumed: in this epoch, or in all (one-shot)
         self.epoch_rng: torch.Tensor | None = None
         self._live: Iterator[Any] | None = None
+        # A loader that saves its own position (torchdata's StatefulDataLoader), and the
+        # generators its order is drawn from besides torch's global one (saved with it).
+        self.stateful_loader = (callable(getattr(loader, "state_dict", None))
+                                and callable(getattr(loader, "load_state_dict", None)))
+        self.generators = _generators(loader)
+        self.epoch_generators: list[torch.Tensor] = []
+        self._saved: Mapping[str, Any] | None = None  # a loaded position, applied at _start
         dataset = getattr(loader, "dataset", None)
         # the user's stream, duck-typed: set_epoch, state_dict, load_state_dict when it has them
         self.stream: Any = dataset if isinstance(dataset, IterableDataset) else None
@@ -115,21 +130,60 @@ class LoaderSource:
 
     def _start(self) -> Iterator[Any]:
         """A fresh iterator, past the batches already consumed (resuming mid-epoch)."""
-        # A shuffling DataLoader draws its order from torch's global RNG when the iterator is
-        # made: remember that state, so a run resumed mid-epoch replays the same order.
         now = torch.get_rng_state()
-        if self.position > 0 and self.epoch_rng is not None:
-            torch.set_rng_state(self.epoch_rng)
-        self.epoch_rng = torch.get_rng_state()
+        saved, self._saved = self._saved, None  # the loaded position's states, or None
         skip = self.position
+        if saved is not None and not skip:  # a new epoch: its order drawn as it was
+            _set_states(self.generators, saved.get("generators_now"))
+        elif saved is not None and self.stateful_loader and saved.get("loader_at") == skip:
+            # The loader continues by itself (a StatefulDataLoader: its workers too).
+            self.loader.load_state_dict(saved["loader"])  # type: ignore[attr-defined]
+            self.epoch_generators = saved.get("generators", [])
+            batches = iter(self.loader)
+            torch.set_rng_state(now)
+            return batches
+        elif skip and self.stream is None:  # replay the epoch's order from its start's states
+            if self.epoch_rng is not None:
+                torch.set_rng_state(self.epoch_rng)
+            _set_states(self.generators, saved.get("generators") if saved else None)
+        # A shuffling DataLoader draws its order from torch's global RNG (or its generator)
+        # when the iterator is made (and, without workers, at its first batch): remember
+        # those states, so a run resumed mid-epoch replays the same order.
+        self.epoch_rng = torch.get_rng_state()
+        self.epoch_generators = [g.get_state() for g in self.generators]
         if self.stream is not None and skip:
             self._continue_stream()  # the stream itself continues: nothing to skip
             skip = 0
         batches = iter(self.loader)
-        torch.set_rng_state(now)
+        torch.set_rng_state(self.epoch_rng)
         for _ in range(skip):
             next(batches, None)  # trained before the stop
+        torch.set_rng_state(now)  # (the data's own draws leave the model's RNG as it was)
         return batches
+
+    def _check_workers(self, state: Mapping[str, Any]) -> None:
+        """Refuse, before anything loads, a saved position this loader cannot continue from:
+        mid-epoch with persistent workers, which keep drawing random numbers from where the
+        earlier epochs left them, so no replay gives the same batches.
+
+        Raises:
+            ValueError: naming ``resume``, ``num_workers`` and the fix.
+        """
+        position, total = int(state["position"]), self.num_batches
+        workers = getattr(self.loader, "num_workers", 0)
+        own = self.stateful_loader and state.get("loader_at") == position
+        if (not workers or not getattr(self.loader, "persistent_workers", False) or own
+                or position == 0 or self.one_shot or position == total):
+            return
+        fail("resume", f"a checkpoint taken mid-epoch ({position} batches into epoch "
+             f"{state['epoch']}) of a DataLoader with num_workers={workers} and "
+             "persistent_workers=True, whose workers' random draws (augmentation) carry "
+             "over from every earlier epoch and cannot be replayed",
+             "a loader whose epoch can be replayed or that saves its own position",
+             "use persistent_workers=False (each epoch's workers are then seeded from the "
+             "saved RNG), or torchdata's StatefulDataLoader (its state_dict() is saved), or "
+             "resume from a checkpoint saved at an epoch's end (save_freq='epoch')",
+             described=True)
 
     def _stateful(self) -> bool:
         """The stream can say its position, in this process."""
@@ -148,8 +202,11 @@ class LoaderSource:
         (``continues``) without saying its position is refused (ValueError) before a resume
         changes anything."""
         problem = position_problem(state, ("epoch", "position"), "a DataLoader or iterable")
-        if problem or not (continues and self.stream is not None and state["position"]):
+        if problem or not continues:
             return problem
+        self._check_workers(state)
+        if self.stream is None or not state["position"]:
+            return None
         if state.get("stream") is None or not self._stateful():
             self._refuse_resume(state["position"], state["epoch"])
         return None
@@ -208,6 +265,17 @@ class LoaderSource:
                  "batch_size": getattr(self.loader, "batch_size", None)}
         if self.stream is not None:  # read after every optimizer step
             state["stream"] = self.stream.state_dict() if self._stateful() else None
+        pending = self._saved
+        if pending is not None:  # loaded and not applied yet: saved again as it was
+            state.update({k: pending[k] for k in ("generators", "generators_now", "loader",
+                                                  "loader_at") if k in pending})
+            return state
+        if self.generators:
+            state["generators"] = self.epoch_generators
+            state["generators_now"] = [g.get_state() for g in self.generators]
+        if self.stateful_loader and self._live is not None:  # an epoch in flight
+            state["loader"] = self.loader.state_dict()  # type: ignore[attr-defined]
+            state["loader_at"] = self.position
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -219,4 +287,25 @@ class LoaderSource:
                                       self.epoch, old, new)
         self.epoch_rng = state.get("rng")
         self._stream_state = state.get("stream")
+        self._saved = state
         self._live = None
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The generators a loader draws its order and workers' seeds from, other than torch's
+    global one: the DataLoader's ``generator`` and its sampler's (torchdata's RandomSampler
+    always has one), each once."""
+    found: list[torch.Generator] = []
+    sampler = getattr(loader, "sampler", None)
+    for owner in (loader, sampler, getattr(getattr(loader, "batch_sampler", None), "sampler",
+                                           None)):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+    return found
+
+
+def _set_states(generators: list[torch.Generator], states: list[torch.Tensor] | None) -> None:
+    """Put each generator at its saved state (none saved: left as they are)."""
+    for g, state in zip(generators, states or ()):
+        g.set_state(state)
