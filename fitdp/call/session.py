@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
@@ -193,6 +193,18 @@ class Session:
         self.data_state = self.plan.source.state_dict()
         if self.accum > 1:  # a checkpoint between steps saves the logs of this step
             self.epoch_logs.mark()
+
+    def step_losses(self) -> Generator[float, None, None]:
+        """Train the planned batches (``steps_per_epoch``, going on into the data's next
+        epochs) without callbacks, yielding after each optimizer step the mean loss of the
+        batches it took (``model.find_lr``'s sweep: it sets the rate before each step and
+        stops early by closing the iterator)."""
+        self.reset_logs()
+        for i, batch in enumerate(self._epoch_batches()):
+            self.train_step(batch, i)
+            if self.run.micro_step == 0:
+                yield self.read_logs()["loss"]
+                self.reset_logs()
 
     def end_epoch(self, logs: dict[str, float]) -> None:
         """Record the rate this epoch trained with, then step a per-epoch scheduler."""

@@ -30,13 +30,14 @@ from fitdp.executor.engines import Strategy
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.monitor import Monitor
 from fitdp.model.extras import ModelExtras, keras_logs
+from fitdp.model.lr_finder import LRFinding
 from fitdp.model.saving import ModelIO
 from fitdp.model.steps import KerasSteps
 from fitdp.saving.async_writer import AsyncCheckpointWriter
 from fitdp.saving.entries import RNG
 
 
-class Model(KerasSteps, ModelIO, ModelExtras):
+class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
     """A Keras-style facade over a ``torch.nn.Module``, trained data-parallel.
 
     Args:
