@@ -88,10 +88,13 @@ class Session:
             self.mgr.install_monitor(self.monitor)
         # The steps of the call, chosen once from what the call fixes (Keras's
         # make_train_function): the batch loops below only call them.
-        self.test = self.mgr.bind_step(False, metric=self.metrics)
+        # A profiler's callback, or one running around the call, gets the phases as named
+        # ranges; any other call binds steps without range code.
+        named = cbs.names_phases or torch.autograd._profiler_enabled()
+        self.test = self.mgr.bind_step(False, metric=self.metrics, named=named)
         self.train = self.mgr.bind_step(
             True, optimizer=trainer.optimizer, scaler=trainer.scaler, clip_norm=self.clip,
-            scale=self.scale, metric=self.metrics) if trainer is not None else None
+            scale=self.scale, metric=self.metrics, named=named) if trainer is not None else None
         # Measured loads for this call, or the placement's (replicas kept from an "auto"
         # call measure no more); the model reports the list in use, updated in place.
         self.mgr.set_work_load_list(

@@ -16,6 +16,7 @@ from fitdp.callbacks.lambda_callback import LambdaCallback
 from fitdp.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
 from fitdp.callbacks.model_checkpoint import ModelCheckpoint
 from fitdp.callbacks.nan import TerminateOnNaN
+from fitdp.callbacks.profiler import Profiler
 from fitdp.callbacks.progress import ProgressBar, Speedometer
 from fitdp.callbacks.tensorboard import TensorBoard
 
@@ -23,4 +24,5 @@ __all__ = [
     "HOOKS", "BackupAndRestore", "CSVLogger", "Callback", "CallbackList", "EarlyStopping",
     "History", "LambdaCallback", "LearningRateScheduler", "ModelCheckpoint", "ProgressBar",
     "ReduceLROnPlateau", "Speedometer", "TensorBoard", "TerminateOnNaN", "state_keys",
+    "Profiler",
 ]
