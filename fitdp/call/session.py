@@ -21,6 +21,7 @@ from fitdp.call.modes import Modes
 from fitdp.call.plan import CallPlan, FitPlan
 from fitdp.call.replicas import Replicas
 from fitdp.call.run_state import RunState
+from fitdp.call.throughput import Throughput
 from fitdp.callbacks import CallbackList
 from fitdp.checks import FitdpWarning
 from fitdp.compiled.losses import explain_failure
@@ -76,6 +77,8 @@ class Session:
         listens = cbs.listens("on_train_batch_end") or cbs.listens("on_test_batch_end")
         self.batch_reads = self.exact_logs or listens or plan.ranks.enabled
         self.data_state: dict[str, Any] | None = None  # train source at the last step
+        self.throughput = Throughput(plan.source)
+        self.rates: dict[str, float] = {}  # the last training epoch's (``Throughput``)
         self.checked = False  # the first batch ran (its errors came back with context)
         self.verified = False  # the checks that need the model's outputs are done
         self.scale = trainer.loss_scale() if trainer is not None else None
@@ -118,14 +121,17 @@ class Session:
             self.data_state = plan.source.state_dict()
         self.reset_logs()
         self.epoch_logs.begin()  # resumed mid-epoch: they go on from the checkpoint's
-        run_batches(self._epoch_batches(), plan.callbacks, TRAIN, self.train_step,
-                    lambda: run.stop_training)
+        self.throughput.begin(self.train)  # type: ignore[arg-type]
+        run_batches(self.throughput.counted(self._epoch_batches()), plan.callbacks, TRAIN,
+                    self.train_step, lambda: run.stop_training)
         self.epoch_logs.live = False
         if run.micro_step:  # the epoch's last batches, fewer than grad_accum_steps
             with GUARD.critical():
                 if not self.manual:
                     self.train.step_now()  # type: ignore[union-attr]
                 self._stepped()
+        self.rates = self.throughput.rates(self.train, plan.ranks,  # type: ignore[arg-type]
+                                           self.mgr.devices[0])
         logs = self.read_logs()
         self.mgr.sync_buffers()  # every replica (and the saved model) gets the same BN stats
         return logs

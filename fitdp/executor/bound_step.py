@@ -86,6 +86,7 @@ class BatchStep:
         self.group = mgr.execgrp if mgr.bucket_module is None else None
         self.slices = mgr._slices
         self.on_caller = len(mgr.devices) == 1 and mgr.devices[0].type == "cpu"
+        self.samples = 0  # rows run so far, padding left out (a call's throughput reads it)
 
     def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
                  total_rows: int | torch.Tensor | None = None) -> None:
@@ -93,6 +94,7 @@ class BatchStep:
         update of ``batch``; ``zero_grad``: zero the gradients first; ``total_rows``: the
         rows the mean loss is taken over (default: this batch's, summed over the ranks)."""
         rows, axis = checked_rows(batch)
+        self.samples += rows - batch.pad
         group = self.group or self.mgr._group_of(batch, checked=True)
         slices = self.slices.get(rows) or self.mgr._slices_for(rows)
         job = group.job

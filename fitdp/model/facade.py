@@ -72,6 +72,9 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         self.run = RunState()
         self.is_main_process = True
         self.history: History | None = None
+        # The last training epoch's samples_per_sec (and tokens_per_sec): History.throughput
+        # and the progress bar read it at on_epoch_end (not in the logs: those are Keras's).
+        self.throughput: dict[str, float] = {}
         self._trainer: Compiled | None = None
         self._replicas: Replicas | None = None
         self._session: Session | None = None
@@ -202,6 +205,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
                 run.begin_epoch(epoch)
                 cbs.call("on_epoch_begin", epoch, {})
                 logs = session.train_epoch()
+                self.throughput = dict(session.rates)
                 if plan.validates(epoch):
                     val = session.test_pass(plan.val, cbs, plan.val_steps)  # type: ignore[arg-type]
                     logs.update({f"val_{k}": v for k, v in val.items()})
