@@ -30,6 +30,7 @@ from fitdp.data.batch import DataBatch, take_rows, tree_cat, tree_map
 from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.bound_step import BatchStep
+from fitdp.executor.checkpointing import ActivationCheckpointing
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.monitor import Monitor
 from fitdp.saving.entries import Entry, EpochLogs
@@ -102,6 +103,10 @@ class Session:
         # call measure no more); the model reports the list in use, updated in place.
         self.mgr.set_work_load_list(
             "auto" if plan.auto_loads else list(replicas.placement.work_load_list))
+        # Last: the blocks' forwards are put back by ``close``, which runs once this is made.
+        blocks = config.activation_checkpointing if config is not None else None
+        self.checkpointing = ActivationCheckpointing(
+            blocks, replicas.modules(), replicas.placement.devices) if blocks else None
 
     # -- fit ----------------------------------------------------------------------------
 
@@ -379,6 +384,8 @@ class Session:
             self.plan.source.load_state_dict(self.data_state)
 
     def close(self) -> None:
+        if self.checkpointing is not None:
+            self.checkpointing.remove()
         if self.monitor is not None:
             self.monitor.remove()
             self.mgr.monitor = None

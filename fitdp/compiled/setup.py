@@ -22,6 +22,7 @@ from fitdp.compiled.optimizers import (
     build_optimizers,
     build_scheduler,
 )
+from fitdp.executor.checkpointing import check_blocks
 from fitdp.executor.engines import Strategy, check_strategy
 
 PRECISIONS: dict[str, torch.dtype | None] = {
@@ -50,6 +51,7 @@ class CompileConfig:
     loss_weights: Sequence[float] | Mapping[str, float] | None = None
     strategy: Strategy = "auto"
     weighted_metrics: MetricsArg = None
+    activation_checkpointing: Sequence[type[nn.Module]] | None = None
 
 
 class Compiled:
@@ -106,6 +108,7 @@ class Compiled:
         if not isinstance(config.sync_batchnorm, bool):
             check_choice("sync_batchnorm", config.sync_batchnorm, (True, False))
         check_strategy(config.strategy)
+        check_blocks(config.activation_checkpointing, module)
         objective = Objective(config.loss, config.loss_weights)
         metrics = metric_specs(config.metrics, config.weighted_metrics,
                                objective.binary_outputs())

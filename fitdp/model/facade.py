@@ -134,6 +134,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         loss_weights: Sequence[float] | dict[str, float] | None = None,
         strategy: Strategy = "auto",
         weighted_metrics: MetricsArg = None,
+        activation_checkpointing: Sequence[type[nn.Module]] | None = None,
     ) -> None:
         """Choose the optimizer, loss and metrics (see docs/api.md); resets the optimizer state.
 
@@ -147,8 +148,11 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         layers become ``torch.nn.SyncBatchNorm``. ``strategy``: how ranks share the work under
         torchrun, ``"auto"`` (DDP when each rank drives one device, else fitdp's own
         reduction), ``"ddp"``, ``"fsdp"`` (FSDP2), or ``fitdp.DDP(...)``/``fitdp.FSDP(...)``
-        with options (docs/distributed.md). Every argument is checked and every piece
-        built before anything changes.
+        with options (docs/distributed.md). ``activation_checkpointing``: a list of block
+        classes (``[nn.TransformerEncoderLayer]``) whose activations every replica
+        recomputes in backward instead of keeping them (non-reentrant
+        ``torch.utils.checkpoint``; docs/precision.md). Every argument is checked and every
+        piece built before anything changes.
         """
         if self._session is not None:
             raise RuntimeError("compile: called during fit/evaluate/predict (from a callback);"
@@ -156,7 +160,8 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         trainer = Compiled.build(self.module, CompileConfig(
             optimizer, loss, metrics, lr, lr_scheduler, precision, grad_clip_norm,
             grad_accum_steps, compile, sync_batchnorm, loss_weights, strategy=strategy,
-            weighted_metrics=weighted_metrics))
+            weighted_metrics=weighted_metrics,
+            activation_checkpointing=activation_checkpointing))
         self._release()
         self._trainer = trainer
 
