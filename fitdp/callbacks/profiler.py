@@ -21,12 +21,14 @@ class Profiler(Callback):
     Each training batch is one profiler step (`ProfilerStep#N` in the trace): the first
     `wait` are skipped, the next `warmup` run the profiler without keeping what it sees,
     the next `active` are recorded and written; `repeat` such cycles (0: until fit ends).
-    Inside each step fitdp's phases are named ranges, on every device thread: `fitdp.load`,
-    `fitdp.forward`, `fitdp.backward`, `fitdp.metrics`, `fitdp.reduce` (gradients summed
-    over replicas and ranks) and `fitdp.step` (the optimizer). A fit with this callback
-    binds its step with those ranges; a fit without one runs no range code at all. CPU
-    activity is recorded, and CUDA's when a GPU is present. Every process writes its own
-    trace (its rank in the name). A window cut short by the end of fit is written then.
+    Inside each step fitdp's phases are named ranges, on every device thread (on a torch
+    whose profiler cannot record other threads, `profile_all_threads`, the caller's only):
+    `fitdp.load`, `fitdp.forward`, `fitdp.backward`, `fitdp.metrics`, `fitdp.reduce`
+    (gradients summed over replicas and ranks) and `fitdp.step` (the optimizer). A fit
+    with this callback binds its step with those ranges; a fit without one runs no range
+    code at all. CPU activity is recorded, and CUDA's when a GPU is present. Every process
+    writes its own trace (its rank in the name). A window cut short by the end of fit is
+    written then.
 
     Args:
         dir: the folder the traces go to (made when the first is written).
@@ -79,8 +81,7 @@ class Profiler(Callback):
             activities=activities, on_trace_ready=self._write,
             schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup,
                                              active=self.active, repeat=self.repeat),
-            # the replicas' worker threads too (started before the profiler)
-            experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True),
+            experimental_config=_all_threads(),
             record_shapes=self.record_shapes, profile_memory=self.profile_memory,
             with_stack=self.with_stack)
         self._profile.start()
@@ -106,3 +107,12 @@ class Profiler(Callback):
         path = os.path.join(self.dir, f"rank{rank}.{time.time_ns()}.pt.trace.json")
         profile.export_chrome_trace(path)
         self.traces.append(path)
+
+
+def _all_threads() -> Any:
+    """Kineto's option to record every thread, the replicas' worker threads too (started
+    before the profiler); None on a torch without it (the calling thread's events only)."""
+    try:
+        return torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        return None
