@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from fitdp.call.modes import Modes
 from fitdp.call.plan import CallPlan, FitPlan
 from fitdp.call.replicas import Replicas
 from fitdp.call.run_state import RunState
+from fitdp.call.throughput import Throughput
 from fitdp.callbacks import CallbackList
 from fitdp.checks import FitdpWarning
 from fitdp.compiled.losses import explain_failure
@@ -32,6 +33,7 @@ from fitdp.data.batch import DataBatch, batch_length, take_rows, tree_cat, tree_
 from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.bound_step import BatchStep
+from fitdp.executor.checkpointing import ActivationCheckpointing
 from fitdp.executor.interrupts import GUARD, SIGTERM, Preempted
 from fitdp.executor.monitor import Monitor
 from fitdp.executor.replica import call_module
@@ -82,6 +84,8 @@ class Session:
         self.data_state: dict[str, Any] | None = None  # train source at the last step
         self.watching = False  # SIGTERM is read between training steps (``preemption``)
         self.vote: Any = None  # under torchrun: the flag of the last step boundary, in flight
+        self.throughput = Throughput(plan.source)
+        self.rates: dict[str, float] = {}  # the last training epoch's (``Throughput``)
         self.checked = False  # the first batch ran (its errors came back with context)
         self.verified = False  # the checks that need the model's outputs are done
         self.scale = trainer.loss_scale() if trainer is not None else None
@@ -94,14 +98,21 @@ class Session:
             self.mgr.install_monitor(self.monitor)
         # The steps of the call, chosen once from what the call fixes (Keras's
         # make_train_function): the batch loops below only call them.
-        self.test = self.mgr.bind_step(False, metric=self.metrics)
+        # A profiler's callback, or one running around the call, gets the phases as named
+        # ranges; any other call binds steps without range code.
+        named = cbs.names_phases or torch.autograd._profiler_enabled()
+        self.test = self.mgr.bind_step(False, metric=self.metrics, named=named)
         self.train = self.mgr.bind_step(
             True, optimizer=trainer.optimizer, scaler=trainer.scaler, clip_norm=self.clip,
-            scale=self.scale, metric=self.metrics) if trainer is not None else None
+            scale=self.scale, metric=self.metrics, named=named) if trainer is not None else None
         # Measured loads for this call, or the placement's (replicas kept from an "auto"
         # call measure no more); the model reports the list in use, updated in place.
         self.mgr.set_work_load_list(
             "auto" if plan.auto_loads else list(replicas.placement.work_load_list))
+        # Last: the blocks' forwards are put back by ``close``, which runs once this is made.
+        blocks = config.activation_checkpointing if config is not None else None
+        self.checkpointing = ActivationCheckpointing(
+            blocks, replicas.modules(), replicas.placement.devices) if blocks else None
 
     # -- fit ----------------------------------------------------------------------------
 
@@ -121,7 +132,9 @@ class Session:
             self.data_state = plan.source.state_dict()
         self.reset_logs()
         self.epoch_logs.begin()  # resumed mid-epoch: they go on from the checkpoint's
-        run_batches(self._epoch_batches(), plan.callbacks, TRAIN, self.train_step,
+        self.throughput.begin(self.train)  # type: ignore[arg-type]
+        run_batches(self.throughput.counted(self._epoch_batches()), plan.callbacks, TRAIN,
+                    self.train_step,
                     lambda: self.preempted() or run.stop_training)  # (every rank asks)
         self.stop_if_preempted()  # (before the partial step below: the backup is of the last)
         self.epoch_logs.live = False
@@ -134,6 +147,8 @@ class Session:
         # from its generator as it stops (torch's RandomSampler does), and the next epoch's
         # order starts there.
         self.data_state = plan.source.state_dict()
+        self.rates = self.throughput.rates(self.train, plan.ranks,  # type: ignore[arg-type]
+                                           self.mgr.devices[0])
         logs = self.read_logs()
         self.mgr.sync_buffers()  # every replica (and the saved model) gets the same BN stats
         return logs
@@ -270,6 +285,18 @@ class Session:
         self.data_state = self.plan.source.state_dict()
         if self.accum > 1:  # a checkpoint between steps saves the logs of this step
             self.epoch_logs.mark()
+
+    def step_losses(self) -> Generator[float, None, None]:
+        """Train the planned batches (``steps_per_epoch``, going on into the data's next
+        epochs) without callbacks, yielding after each optimizer step the mean loss of the
+        batches it took (``model.find_lr``'s sweep: it sets the rate before each step and
+        stops early by closing the iterator)."""
+        self.reset_logs()
+        for i, batch in enumerate(self._epoch_batches()):
+            self.train_step(batch, i)
+            if self.run.micro_step == 0:
+                yield self.read_logs()["loss"]
+                self.reset_logs()
 
     def end_epoch(self, logs: dict[str, float]) -> None:
         """Record the rate this epoch trained with, then step a per-epoch scheduler."""
@@ -508,6 +535,8 @@ class Session:
             self.plan.source.load_state_dict(self.data_state)
 
     def close(self) -> None:
+        if self.checkpointing is not None:
+            self.checkpointing.remove()
         if self.monitor is not None:
             self.monitor.remove()
             self.mgr.monitor = None

@@ -18,6 +18,7 @@ from fitdp.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
 from fitdp.callbacks.mlflow_logger import MLflowLogger
 from fitdp.callbacks.model_checkpoint import ModelCheckpoint
 from fitdp.callbacks.nan import TerminateOnNaN
+from fitdp.callbacks.profiler import Profiler
 from fitdp.callbacks.progress import ProgressBar, Speedometer
 from fitdp.callbacks.swa import SWA
 from fitdp.callbacks.tensorboard import TensorBoard
@@ -26,6 +27,6 @@ from fitdp.callbacks.weight_averaging import WeightAveraging
 __all__ = [
     "EMA", "HOOKS", "SWA", "BackupAndRestore", "CSVLogger", "Callback", "CallbackList",
     "EarlyStopping", "History", "LambdaCallback", "LearningRateScheduler", "MLflowLogger",
-    "ModelCheckpoint", "ProgressBar", "ReduceLROnPlateau", "Speedometer", "TensorBoard",
-    "TerminateOnNaN", "WeightAveraging", "state_keys",
+    "ModelCheckpoint", "Profiler", "ProgressBar", "ReduceLROnPlateau", "Speedometer",
+    "TensorBoard", "TerminateOnNaN", "WeightAveraging", "state_keys",
 ]

@@ -41,6 +41,9 @@ class Callback:
     # False: this callback's batch hooks do not read the logs, or only display them throttled,
     # so on the CPU the model need not read exact logs every batch for it.
     needs_batch_logs: bool = True
+    # True: the call's step runs its phases (load, forward, backward, reduce, step) inside
+    # torch.profiler.record_function ranges, for a profiler's trace (`Profiler`).
+    names_phases: bool = False
     model: Any = None  # class default: subclasses that skip super().__init__() still work
 
     def __init__(self) -> None:

@@ -155,6 +155,12 @@ class CallbackList:
         return self._sync
 
     @property
+    def names_phases(self) -> bool:
+        """True when some callback profiles the call (`names_phases`): its step is bound with
+        fitdp's phases as named ranges for the trace."""
+        return any(getattr(cb, "names_phases", False) is True for cb in self.callbacks)
+
+    @property
     def needs_batch_logs(self) -> bool:
         """True when a callback with a batch-end hook reads its logs (`needs_batch_logs`): the
         model then reads exact logs every batch where that costs no device sync (CPU)."""

@@ -15,6 +15,9 @@ class History(Callback):
 
     Attributes:
         history: `dict[str, list[float]]`, one value per epoch for each log key.
+        throughput: `dict[str, list[float]]`, one value per epoch: `samples_per_sec` and,
+            for sequence data, `tokens_per_sec` (see `docs/callbacks.md`). Kept apart from
+            `history` so that its keys stay Keras's (those of the epoch logs).
         epoch: the epoch indices (0-based) the values belong to.
         model: the model it recorded, held by a weak reference: the model keeps its History
             (`model.history`), and a strong reference back would make the pair a cycle that
@@ -34,6 +37,7 @@ class History(Callback):
     def __init__(self) -> None:
         super().__init__()
         self.history: dict[str, list[float]] = {}
+        self.throughput: dict[str, list[float]] = {}
         self.epoch: list[int] = []
         self._last_logs: dict[str, float] | None = None
         self._recorded: set[str] = set()  # keys of `_last_logs` taken at its epoch's end
@@ -63,13 +67,15 @@ class History(Callback):
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         # A reused History starts over; a resumed fit loads its state after this.
-        self.history, self.epoch = {}, []
+        self.history, self.epoch, self.throughput = {}, [], {}
         self._last_logs = None
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         self.epoch.append(int(epoch))
         for key, value in (logs or {}).items():
             self.history.setdefault(key, []).append(float(value))
+        for key, value in (getattr(self.model, "throughput", None) or {}).items():
+            self.throughput.setdefault(key, []).append(float(value))
         # History runs first (so checkpoints hold this epoch); keys that later callbacks add
         # to the same logs dict are picked up by `_backfill`.
         self._last_logs = logs
@@ -91,15 +97,21 @@ class History(Callback):
             self.history.setdefault(key, []).append(float(value))
 
     def state_dict(self) -> dict[str, Any]:
-        """The recorded epochs and values (plain lists: loads with `weights_only=True`)."""
+        """The recorded epochs, values and throughput (plain lists: loads with
+        `weights_only=True`)."""
         self._backfill()
-        return {"history": {k: list(v) for k, v in self.history.items()},
-                "epoch": list(self.epoch)}
+        state: dict[str, Any] = {"history": {k: list(v) for k, v in self.history.items()},
+                                 "epoch": list(self.epoch)}
+        if self.throughput:  # (recorded by a fit; a History driven by hand has none)
+            state["throughput"] = {k: list(v) for k, v in self.throughput.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a resumed run's history (called after `on_train_begin`)."""
         self.history = {k: [float(x) for x in v] for k, v in state["history"].items()}
         self.epoch = [int(e) for e in state["epoch"]]
+        self.throughput = {k: [float(x) for x in v]
+                           for k, v in state.get("throughput", {}).items()}
 
     def plot(self, path: str | None = None, keys: list[str] | None = None) -> Any:
         """Draw each quantity on its own subplot, train and `val_` curves together.

@@ -16,10 +16,11 @@ logger = logging.getLogger("fitdp")
 
 _POSTFIX_EVERY = 0.2  # seconds between postfix updates: formatting costs more than a small step
 _MIN_BAR = 4  # columns the live bar keeps when the logs beside it need the room
+UNITS = {"samples_per_sec": "samples/s", "tokens_per_sec": "tokens/s"}  # model.throughput's
 
 
-def _rate(steps: int, seconds: float) -> str:
-    rate = steps / seconds if seconds > 0 else float("inf")
+def _rate(count: float, seconds: float) -> str:
+    rate = count / seconds if seconds > 0 else float("inf")
     return f"{rate:.0f}" if rate >= 10 else f"{rate:.2f}"
 
 
@@ -35,7 +36,8 @@ class ProgressBar(Callback):
     ETA and the loss and metrics; what does not fit on the bar's line at the end of the epoch
     (validation metrics, say) follows on indented lines. Otherwise (a log file, a CI job, or
     `verbose=2`) it prints one line per epoch, Keras style:
-    `Epoch 3/10 - 12s - 45 steps/s - loss: 0.1234 - acc: 0.9612 - val_loss: 0.2345`.
+    `Epoch 3/10 - 12s - 45 steps/s - 1440 samples/s - loss: 0.1234 - acc: 0.9612 - val_loss:
+    0.2345` (the model's `throughput`: samples/s, and tokens/s for sequence data).
     Nothing is wider than the terminal (`COLUMNS`, 80 without one): long metric names are
     shortened (`multiclass_accuracy` -> `acc`, see `docs/callbacks.md`), every number has 4
     significant digits, and a line too long for the width wraps between items. A resumed fit
@@ -116,9 +118,11 @@ class ProgressBar(Callback):
             self._last_postfix = now
             self._postfix(log_items(logs))
 
-    def _finish(self, title: str, logs: dict[str, float] | None) -> None:
+    def _finish(self, title: str, logs: dict[str, float] | None,
+                rates: dict[str, float] | None = None) -> None:
         elapsed = time.perf_counter() - self._t0
-        items = log_items(logs)
+        speed = [f"{_rate(v, 1.0)} {UNITS[k]}" for k, v in (rates or {}).items() if k in UNITS]
+        items = speed + log_items(logs)
         if self._bar is not None:
             # The finished epoch keeps a compact line (no bar, no ETA): room for the logs.
             total = "/{total_fmt}" if self._bar.total is not None else " steps"
@@ -149,7 +153,7 @@ class ProgressBar(Callback):
         self._step(batch, logs)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
-        self._finish(self._title, logs)
+        self._finish(self._title, logs, getattr(self.model, "throughput", None))
 
     def on_train_end(self, logs: dict[str, float] | None = None) -> None:
         if self._bar is not None:  # stopped mid-epoch

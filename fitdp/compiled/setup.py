@@ -23,6 +23,7 @@ from fitdp.compiled.optimizers import (
     build_scheduler,
 )
 from fitdp.compiled.own_loss import OwnLoss, own_loss
+from fitdp.executor.checkpointing import check_blocks
 from fitdp.executor.engines import Strategy, check_strategy
 
 PRECISIONS: dict[str, torch.dtype | None] = {
@@ -53,6 +54,7 @@ class CompileConfig:
     weighted_metrics: MetricsArg = None
     loss_items: Any = None
     forward_kwargs: Mapping[str, Any] | None = None
+    activation_checkpointing: Sequence[type[nn.Module]] | None = None
 
 
 class Compiled:
@@ -111,6 +113,7 @@ class Compiled:
             check_choice("sync_batchnorm", config.sync_batchnorm, (True, False))
         check_strategy(config.strategy)
         check_forward_kwargs(config.forward_kwargs)
+        check_blocks(config.activation_checkpointing, module)
         objective = own_loss(config.loss, config.loss_items) or Objective(
             config.loss, config.loss_weights)
         metrics = metric_specs(config.metrics, config.weighted_metrics,

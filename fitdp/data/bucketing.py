@@ -338,6 +338,11 @@ class BucketIterator:
         self._order_cache = ((self.seed, epoch), batches)  # by seed: load_state_dict sets it
         return batches
 
+    def count_tokens(self, batch: DataBatch) -> int:
+        """The tokens of ``batch`` (one of this iterator's): its samples' own lengths
+        summed, the padding left out (``tokens_per_sec`` of ``History.throughput``)."""
+        return int(self._lengths[batch.index].sum())
+
     def _make_batch(self, width: int, index: torch.Tensor) -> DataBatch:
         """Pad the rows ``index`` (and their per-token labels) to ``width``: one masked gather."""
         lengths, cols = self._lengths[index], torch.arange(width)

@@ -33,11 +33,11 @@ from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck, slow_replicas
 from fitdp.executor.engines import set_sync
 from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.interrupts import GUARD
-from fitdp.executor.per_replica import weigh
+from fitdp.executor.per_replica import NAMED_PHASES, PHASES, weigh
 from fitdp.executor.replica import Compute
 from fitdp.executor.sharded_step import ShardedStep
 from fitdp.executor.slicing import check_work_load_arg
-from fitdp.executor.update import SHARD_MIN_NUMEL, Update
+from fitdp.executor.update import SHARD_MIN_NUMEL, NamedUpdate, Update
 from fitdp.executor.workers import DeviceWorkers
 
 if TYPE_CHECKING:
@@ -55,16 +55,18 @@ class BatchStep:
         update: the training update (None: evaluation).
         scale: multiplies each loss before backward (a ``GradScaler``'s ``scale``), or None.
         metric: a ``DeviceMetrics`` each device updates with its slice, or None.
+        named: run the phases in named ranges for a profiler (``per_replica.NAMED_PHASES``).
     """
 
     def __init__(self, mgr: StepMixin, is_train: bool, update: Update | None,
-                 scale: Scale | None, metric: Any) -> None:
+                 scale: Scale | None, metric: Any, named: bool = False) -> None:
         # The manager keeps its bound steps (``_bound``): a weak reference back, so the pair
         # is no cycle and a dropped manager (its worker threads) goes at once, not when the
         # garbage collector runs. A few attribute reads per batch through the proxy.
         self.mgr: StepMixin = weakref.proxy(mgr)
         self.is_train, self.update = is_train, update
         self.scale, self.metric = scale, metric
+        self.phases = NAMED_PHASES if named else PHASES
         self.compute = mgr.compute
         # Counts weigh slices only when there are several (devices or ranks): decided here.
         several = len(mgr.devices) > 1 or mgr.distributed
@@ -84,6 +86,7 @@ class BatchStep:
         self.group = mgr.execgrp if mgr.bucket_module is None else None
         self.slices = mgr._slices
         self.on_caller = len(mgr.devices) == 1 and mgr.devices[0].type == "cpu"
+        self.samples = 0  # rows run so far, padding left out (a call's throughput reads it)
 
     def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
                  total_rows: int | torch.Tensor | None = None) -> None:
@@ -91,12 +94,13 @@ class BatchStep:
         update of ``batch``; ``zero_grad``: zero the gradients first; ``total_rows``: the
         rows the mean loss is taken over (default: this batch's, summed over the ranks)."""
         rows, axis = checked_rows(batch)
+        self.samples += rows - batch.pad
         group = self.group or self.mgr._group_of(batch, checked=True)
         slices = self.slices.get(rows) or self.mgr._slices_for(rows)
         job = group.job
         job.set(batch, rows, axis, slices)
         job.is_train, job.compute, job.autocast = self.is_train, self.compute, self.autocast
-        job.scale, job.metric = self.scale, self.metric
+        job.scale, job.metric, job.phases = self.scale, self.metric, self.phases
         if total_rows is None:
             total_rows = rows - batch.pad
             if self.global_rows is not None:
@@ -209,7 +213,8 @@ class StepMixin:
 
     def bind_step(self, is_train: bool, *, optimizer: torch.optim.Optimizer | None = None,
                   scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
-                  scale: Scale | None = None, metric: Any = None) -> BatchStep:
+                  scale: Scale | None = None, metric: Any = None, named: bool = False
+                  ) -> BatchStep:
         """The step for a call's batches, from what the call fixes (made once per set of
         arguments and kept): ``step(batch, zero_grad=, step=, total_rows=)`` trains (or,
         not ``is_train``, evaluates) a batch; ``step.step_now()`` takes the optimizer step
@@ -223,24 +228,29 @@ class StepMixin:
             clip_norm: max global norm of the gradients, or None.
             scale: multiplies each loss before backward, or None.
             metric: a ``DeviceMetrics`` to update per device slice, or None.
+            named: the phases (load, forward, backward, metrics, reduce, step) in
+                ``torch.profiler.record_function`` ranges named ``fitdp.<phase>``, for a
+                profiler's trace; without it the step runs no range code at all.
         """
-        key = (is_train, optimizer, scaler, clip_norm, scale, metric)
+        key = (is_train, optimizer, scaler, clip_norm, scale, metric, named)
         bound = self._bound.get(key)
         if bound is None or (bound.update is not None and not bound.update.fits(optimizer)):
-            update = self._update(optimizer, scaler, clip_norm) if is_train else None
+            update = self._update(optimizer, scaler, clip_norm, named) if is_train else None
             if len(self._bound) >= 16:  # a new loss-scale closure per call: keep a few
                 self._bound.clear()
-            bound = self._bound[key] = BatchStep(self, is_train, update, scale, metric)
+            bound = self._bound[key] = BatchStep(self, is_train, update, scale, metric, named)
         return bound
 
     def _update(self, optimizer: torch.optim.Optimizer | None,
-                scaler: torch.amp.GradScaler | None, clip_norm: float | None) -> Update:
+                scaler: torch.amp.GradScaler | None, clip_norm: float | None,
+                named: bool = False) -> Update:
         sharded = (optimizer is not None and self._shardable and scaler is None
                    and clip_norm is None and self.cross_rank is None
                    and ShardedStep.supports(optimizer))
-        return Update(self.flat, self.master_parameters(), optimizer,
-                      len(self.devices) if sharded else 1, scaler=scaler, clip_norm=clip_norm,
-                      cross_rank=self.cross_rank)
+        kind = NamedUpdate if named else Update
+        return kind(self.flat, self.master_parameters(), optimizer,
+                    len(self.devices) if sharded else 1, scaler=scaler, clip_norm=clip_norm,
+                    cross_rank=self.cross_rank)
 
     def manual_update(self, optimizer: torch.optim.Optimizer, *,
                       scaler: torch.amp.GradScaler | None = None,

@@ -16,10 +16,11 @@ whole-batch gradient.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -69,6 +70,7 @@ class Job:
         self.metric_labels: Any = None  # labels given to ``update_metric`` (None: the batch's)
         self.update: Update | None = None
         self.clean: tuple[torch.Tensor, int] | None = None  # labels counted whole (all_counted)
+        self.phases = PHASES  # or NAMED_PHASES, while a profiler records the call
 
     def set(self, batch: DataBatch, rows: int, axis: int, slices: list[slice]) -> None:
         """This batch, its rows, batch axis and slices; each device's valid rows."""
@@ -169,21 +171,49 @@ def device_share(job: Job, d: int) -> None:
         update = job.update
         if update is not None and update.zero:  # the first batch of an optimizer step
             update.zero_device(d)
+        phases = job.phases
         if job.load:
-            load_share(job, d)
-        waited = forward_share(job, d)
+            phases.load(job, d)
+        waited = phases.forward(job, d)
     finally:
         if job.in_turn:
             job.turn[d].set()  # a load that failed never leaves the next device waiting
     if job.is_train:
-        backward_share(job, d)
+        phases.backward(job, d)
     if job.metric is not None:
-        metric_share(job, d)
+        phases.metric(job, d)
     if timed:
         job.clock.end(d)  # a CUDA share's device time: read later, no host sync
         end = perf_counter()
         job.times[d] = end - start - waited
         job.ends[d] = end
+
+
+class Phases(NamedTuple):
+    """The phases ``device_share`` runs, each ``phase(job, d)``: the plain functions, or
+    the same in ``torch.profiler.record_function`` ranges (``NAMED_PHASES``)."""
+
+    load: Callable[[Job, int], None]
+    forward: Callable[[Job, int], float]
+    backward: Callable[[Job, int], None]
+    metric: Callable[[Job, int], None]
+
+
+def named(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside a ``torch.profiler.record_function(name)`` range: a named span in
+    a profiler's trace. (The range costs about a microsecond even with no profiler running,
+    so only a call that a profiler records binds these; the others run ``fn`` itself.)"""
+    @functools.wraps(fn)
+    def ranged(*args: Any) -> Any:
+        with torch.profiler.record_function(name):
+            return fn(*args)
+
+    return ranged
+
+
+PHASES = Phases(load_share, forward_share, backward_share, metric_share)
+NAMED_PHASES = Phases(*(named(f"fitdp.{name}", fn) for name, fn in zip(
+    ("load", "forward", "backward", "metrics"), PHASES)))
 
 
 def device_task(job: Job, d: int) -> None:

@@ -274,3 +274,21 @@ class Update:
                         p.grad = torch.zeros_like(p)
                 acc = [p.grad for p in devices[0]]
                 torch._foreach_add_(acc, [p.grad for p in ps])  # type: ignore[arg-type, misc]
+
+
+class NamedUpdate(Update):
+    """An ``Update`` whose reduce and optimizer step are named ranges (``fitdp.reduce``,
+    ``fitdp.step``) in a profiler's trace: bound for a call that a profiler records."""
+
+    def _bind_step(self) -> Callable[[int], None]:
+        step = super()._bind_step()
+
+        def ranged(s: int) -> None:
+            with torch.profiler.record_function("fitdp.step"):
+                step(s)
+
+        return ranged
+
+    def reduce_shard(self, s: int) -> None:
+        with torch.profiler.record_function("fitdp.reduce"):
+            super().reduce_shard(s)

@@ -31,13 +31,14 @@ from fitdp.executor.engines import Strategy
 from fitdp.executor.interrupts import GUARD, Preempted
 from fitdp.executor.monitor import Monitor
 from fitdp.model.extras import ModelExtras, keras_logs
+from fitdp.model.lr_finder import LRFinding
 from fitdp.model.saving import ModelIO
 from fitdp.model.steps import KerasSteps
 from fitdp.saving.async_writer import AsyncCheckpointWriter
 from fitdp.saving.entries import RNG
 
 
-class Model(KerasSteps, ModelIO, ModelExtras):
+class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
     """A Keras-style facade over a ``torch.nn.Module``, trained data-parallel.
 
     Args:
@@ -70,6 +71,9 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         self.run = RunState()
         self.is_main_process = True
         self.history: History | None = None
+        # The last training epoch's samples_per_sec (and tokens_per_sec): History.throughput
+        # and the progress bar read it at on_epoch_end (not in the logs: those are Keras's).
+        self.throughput: dict[str, float] = {}
         self._trainer: Compiled | None = None
         self._replicas: Replicas | None = None
         self._session: Session | None = None
@@ -131,6 +135,7 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         weighted_metrics: MetricsArg = None,
         loss_items: str | Callable[[Any], Any] | None = None,
         forward_kwargs: dict[str, Any] | None = None,
+        activation_checkpointing: Sequence[type[nn.Module]] | None = None,
     ) -> None:
         """Choose the optimizer, loss and metrics (see docs/api.md); resets the optimizer state.
 
@@ -148,8 +153,11 @@ class Model(KerasSteps, ModelIO, ModelExtras):
         (``outputs.loss``, a Hugging Face model given labels); ``loss_items`` says what that
         loss averages over (``"tokens"``, ``"causal_lm"`` or a callable, so that several
         devices train the one-device update); ``forward_kwargs`` are passed to every forward
-        (e.g. ``{"use_cache": False}``; docs/huggingface.md). Every argument is checked and
-        every piece built before anything changes.
+        (e.g. ``{"use_cache": False}``; docs/huggingface.md). ``activation_checkpointing``: a
+        list of block classes (``[nn.TransformerEncoderLayer]``) whose activations every
+        replica recomputes in backward instead of keeping them (non-reentrant
+        ``torch.utils.checkpoint``; docs/precision.md). Every argument is checked and every
+        piece built before anything changes.
 
         The third positional argument is ``metrics`` (Keras's is ``loss_weights``): numbers
         there, or a fourth positional argument (Keras's ``metrics``), are a ``TypeError``
@@ -167,7 +175,8 @@ class Model(KerasSteps, ModelIO, ModelExtras):
             optimizer, loss, metrics, lr, lr_scheduler, precision, grad_clip_norm,
             grad_accum_steps, compile, sync_batchnorm, loss_weights, strategy=strategy,
             weighted_metrics=weighted_metrics, loss_items=loss_items,
-            forward_kwargs=forward_kwargs))
+            forward_kwargs=forward_kwargs,
+            activation_checkpointing=activation_checkpointing))
         self._release()
         self._trainer = trainer
 
@@ -219,6 +228,7 @@ class Model(KerasSteps, ModelIO, ModelExtras):
                 run.begin_epoch(epoch)
                 cbs.call("on_epoch_begin", epoch, {})
                 logs = session.train_epoch()
+                self.throughput = dict(session.rates)
                 if plan.validates(epoch):
                     val = session.test_pass(plan.val, cbs, plan.val_steps)  # type: ignore[arg-type]
                     logs.update({f"val_{k}": v for k, v in val.items()})

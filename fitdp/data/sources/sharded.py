@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from fitdp.checks import fail
@@ -46,6 +46,11 @@ class ShardedSource:
 
     def plan(self) -> SourcePlan:
         return self.source.plan()
+
+    @property
+    def count_tokens(self) -> Callable[[DataBatch], int] | None:
+        """The wrapped source's token count of a batch, if it has one (throughput)."""
+        return getattr(self.source, "count_tokens", None)
 
     def set_epoch(self, epoch: int) -> None:
         self.steps_done = 0
