@@ -8,10 +8,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-from torch.optim.swa_utils import SWALR, get_swa_avg_fn, get_swa_multi_avg_fn
+from torch.optim.swa_utils import SWALR
 
-from fitdp.callbacks.weight_averaging import WeightAveraging, foreach_on
+from fitdp.callbacks.weight_averaging import WeightAveraging
 from fitdp.checks import check_choice, check_int, check_number, fail
 
 
@@ -69,16 +68,6 @@ class SWA(WeightAveraging):
         self._scheduler: SWALR | None = None
         self._lr_steps: int | None = None  # SWALR steps taken (None: not started)
         self._lr_epoch: int | None = None  # the last epoch SWALR set the rate for
-
-    def _average_into(self, averaged: list[torch.Tensor], current: list[torch.Tensor],
-                      count: torch.Tensor) -> None:
-        # AveragedModel's own choice when given no averaging function
-        if foreach_on(count.device):
-            get_swa_multi_avg_fn()(averaged, current, count)
-            return
-        avg_fn = get_swa_avg_fn()
-        for avg, cur in zip(averaged, current):
-            avg.copy_(avg_fn(avg, cur, count))
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         self._start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from fitdp.callbacks.base import Callback
@@ -45,8 +46,15 @@ class WeightAveraging(Callback):
 
     def _average_into(self, averaged: list[torch.Tensor], current: list[torch.Tensor],
                       count: torch.Tensor) -> None:
-        """Fold ``current`` into ``averaged`` in place, ``count`` updates in (one dtype)."""
-        raise NotImplementedError
+        """Fold ``current`` into ``averaged`` in place, ``count`` updates in (one dtype): the
+        equal-weight average, ``AveragedModel``'s own choice when given no averaging function
+        (SWA's); `EMA` overrides it."""
+        if foreach_on(count.device):
+            get_swa_multi_avg_fn()(averaged, current, count)
+            return
+        avg_fn = get_swa_avg_fn()
+        for avg, cur in zip(averaged, current):
+            avg.copy_(avg_fn(avg, cur, count))
 
     # -- the average ---------------------------------------------------------------------
 
