@@ -6,9 +6,9 @@ headers, index and pickle framing, a few KB. Record data is covered by the per-r
 the zip format, which torch.load never checks. So sealing hashes only a few KB, and verifying
 costs one CRC pass over the file.
 
-fitdp computes those CRCs itself while torch.save streams each tensor's bytes through
-(``write_sealed``): torch's own CRC pass holds the GIL (about 0.3 ms per MB, stalling every
-other Python thread, e.g. training next to a background save), ``zlib.crc32`` releases it.
+torch.save writes those CRCs itself unless its CRC option is off. That option is
+process-wide and the user's, so fitdp never switches it: when it is off, ``write_sealed``
+computes the CRCs as torch.save streams each tensor's bytes through and writes them in.
 """
 
 from __future__ import annotations
@@ -17,11 +17,8 @@ import hashlib
 import io
 import os
 import struct
-import threading
 import zipfile
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import IO, Any, cast
 
 import torch
@@ -38,9 +35,6 @@ _LOCAL_HEADER_LEN = 30
 _CHUNK = 16 << 20  # CRC read size: big enough to run at memory speed, small enough to not matter
 _CRC_PASSING = 1 << 16  # writes this big get their CRC as they pass; smaller records are reread
 _WRITEBACK = 32 << 20  # start writing to disk every 32 MB while saving
-_CRC_LOCK = threading.Lock()
-_CRC_SAVES = 0  # fitdp saves running now, in any thread
-_TORCH_CRC_WAS_ON = True
 
 
 def write_sealed(f: IO[bytes], obj: Any) -> None:
@@ -50,52 +44,35 @@ def write_sealed(f: IO[bytes], obj: Any) -> None:
         f: an empty file open for reading and writing (binary, seekable).
         obj: what torch.save writes.
     """
-    stream = _RecordStream(f)
-    with _torch_crcs_off():
-        torch.save(obj, cast(IO[bytes], stream))  # write+flush suffice
+    stream = _RecordStream(f, crcs=not _torch_writes_crcs())
+    torch.save(obj, cast(IO[bytes], stream))  # write+flush suffice
     f.flush()
-    _set_record_crcs(f, stream.crcs)
+    _fill_record_crcs(f, stream.crcs)
     seal(f)
 
 
-@contextmanager
-def _torch_crcs_off() -> Iterator[None]:
-    """Turn torch.save's own CRC pass off while any fitdp save runs (a global switch since
-    torch 2.5; earlier versions always compute it, which costs time, not correctness).
-
-    A torch.save of the user's in another thread meanwhile stores CRC-32s of 0: torch.load
-    never reads them, other zip readers would complain."""
-    global _CRC_SAVES, _TORCH_CRC_WAS_ON
+def _torch_writes_crcs() -> bool:
+    """Whether torch.save computes record CRC-32s now (an option since torch 2.5; earlier
+    versions always do). Read, never set: another thread may be saving under it."""
     get = getattr(torch.serialization, "get_crc32_options", None)
-    switch = getattr(torch.serialization, "set_crc32_options", None)
-    with _CRC_LOCK:
-        if _CRC_SAVES == 0 and get is not None and switch is not None:
-            _TORCH_CRC_WAS_ON = get()
-            switch(False)
-        _CRC_SAVES += 1
-    try:
-        yield
-    finally:
-        with _CRC_LOCK:
-            _CRC_SAVES -= 1
-            if _CRC_SAVES == 0 and switch is not None and _TORCH_CRC_WAS_ON:
-                switch(True)
+    return True if get is None else bool(get())
 
 
 class _RecordStream:
-    """What torch.save writes to: notes the CRC-32 of each large write (torch hands over each
-    tensor's bytes as one memoryview, no copy) and, every ``_WRITEBACK`` bytes, asks the kernel
-    to start writing to disk, so the final fsync has little left to wait for."""
+    """What torch.save writes to: with ``crcs``, notes the CRC-32 of each large write (torch
+    hands over each tensor's bytes as one memoryview, no copy) and, every ``_WRITEBACK`` bytes,
+    asks the kernel to start writing to disk, so the final fsync has little left to wait for."""
 
-    def __init__(self, f: IO[bytes]) -> None:
+    def __init__(self, f: IO[bytes], crcs: bool) -> None:
         self.f = f
+        self.take_crcs = crcs
         self.pos = self.flushed = f.tell()
         self.crcs: dict[int, tuple[int, int]] = {}  # offset -> (size, CRC-32)
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
         size = view.nbytes
-        if size >= _CRC_PASSING:
+        if self.take_crcs and size >= _CRC_PASSING:
             self.crcs[self.pos] = (size, zlib.crc32(view))  # releases the GIL
         self.f.write(view)
         self.pos += size
@@ -111,9 +88,10 @@ class _RecordStream:
         self.f.flush()
 
 
-def _set_record_crcs(f: IO[bytes], passed: dict[int, tuple[int, int]]) -> None:
-    """Write each record's CRC-32 into its data descriptor (or local header) and its central
-    directory entry; records not seen whole in ``passed`` are read back."""
+def _fill_record_crcs(f: IO[bytes], passed: dict[int, tuple[int, int]]) -> None:
+    """Write the CRC-32 of each record torch.save left at 0 into its data descriptor (or local
+    header) and its central directory entry; records not seen whole in ``passed`` are read back.
+    (A record whose true CRC is 0 is read back too, and keeps 0.)"""
     with zipfile.ZipFile(f) as archive:
         infos, pos = archive.infolist(), archive.start_dir
     patches = []
@@ -123,19 +101,21 @@ def _set_record_crcs(f: IO[bytes], passed: dict[int, tuple[int, int]]) -> None:
         if len(entry) != 46 or entry[:4] != b"PK\x01\x02":
             raise RuntimeError("torch.save wrote an unexpected zip layout; cannot seal it")
         name_len, extra_len, comment_len = struct.unpack("<HHH", entry[28:34])
+        entry_pos, pos = pos, pos + 46 + name_len + extra_len + comment_len
+        if info.CRC:  # torch.save computed it
+            continue
         start = _data_start(f, info)
         size, crc = passed.get(start, (-1, 0))
         if size != info.compress_size:
             crc = _crc_of(f, start, info.compress_size)
         packed = struct.pack("<I", crc)
-        patches.append((pos + 16, packed))
+        patches.append((entry_pos + 16, packed))
         if info.flag_bits & 0x08:  # CRC in the data descriptor after the data
             end = start + info.compress_size
             f.seek(end)
             patches.append((end + 4 if f.read(4) == b"PK\x07\x08" else end, packed))
         else:
             patches.append((info.header_offset + 14, packed))
-        pos += 46 + name_len + extra_len + comment_len
     for offset, packed in patches:
         f.seek(offset)
         f.write(packed)
