@@ -36,7 +36,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 @dataclasses.dataclass(frozen=True)
-class CompileConfig:
+class CompileArgs:
     """Everything ``Model.compile`` was given."""
 
     optimizer: OptimizerArg | Mapping[str, OptimizerArg] | list[OptimizerArg] = "adam"
@@ -75,12 +75,12 @@ class Compiled:
         scaler: the GradScaler of ``16-mixed``, made when the model first runs on CUDA.
 
     Example:
-        >>> t = Compiled.build(nn.Linear(3, 2), CompileConfig(optimizer="sgd", lr=0.5))
+        >>> t = Compiled.build(nn.Linear(3, 2), CompileArgs(optimizer="sgd", lr=0.5))
         >>> t.optimizer.param_groups[0]["lr"], t.interval
         (0.5, 'epoch')
     """
 
-    def __init__(self, config: CompileConfig, objective: Objective | OwnLoss,
+    def __init__(self, config: CompileArgs, objective: Objective | OwnLoss,
                  optimizer: torch.optim.Optimizer | None, scheduler: Scheduler, interval: str,
                  metrics: dict[str, MetricSpec]) -> None:
         self.config = config
@@ -94,7 +94,7 @@ class Compiled:
         self.scaler: torch.amp.GradScaler | None = None
 
     @classmethod
-    def build(cls, module: nn.Module, config: CompileConfig) -> Compiled:
+    def build(cls, module: nn.Module, config: CompileArgs) -> Compiled:
         """Check every argument and build every piece; raise before anything is kept.
 
         Raises:

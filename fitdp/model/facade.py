@@ -23,7 +23,7 @@ from fitdp.callbacks import Callback, History, WeightAveraging
 from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.metrics import MetricsArg
 from fitdp.compiled.optimizers import OptimizerArg
-from fitdp.compiled.setup import CompileConfig, Compiled
+from fitdp.compiled.setup import CompileArgs, Compiled
 from fitdp.data.sequence import PAD_VALUE, check_pad_args
 from fitdp.executor.checks import check_bucket_module
 from fitdp.executor.devices import DevicesArg
@@ -171,7 +171,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         if self._session is not None:
             raise RuntimeError("compile: called during fit/evaluate/predict (from a callback);"
                                " compile before or after the call")
-        trainer = Compiled.build(self.module, CompileConfig(
+        trainer = Compiled.build(self.module, CompileArgs(
             optimizer, loss, metrics, lr, lr_scheduler, precision, grad_clip_norm,
             grad_accum_steps, compile, sync_batchnorm, loss_weights, strategy=strategy,
             weighted_metrics=weighted_metrics, loss_items=loss_items,
