@@ -3,7 +3,7 @@
 
 ``CustomStep`` is the executor's ``compute`` (``compute(executor, training) -> (loss,
 outputs)``, ``fitdp.executor.replica``): on each device thread it sets the replica the step
-runs on (``fitdp.executor.gather.running``: ``self(x)``, ``self.module`` and ``all_gather``
+runs on (``fitdp.call.gather.running``: ``self(x)``, ``self.module`` and ``all_gather``
 read it), hands the slice to the model's step as Keras's ``data`` and returns the step's loss
 for fitdp to weigh, backpropagate, reduce and step, as it does the built-in loss. It is made
 only for a subclass that overrides a step: a model that overrides nothing keeps the built-in
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from fitdp.call.gather import Meeting, ReplicaContext, running
 from fitdp.checks import fail
-from fitdp.executor.gather import Meeting, ReplicaContext, running
 
 STEPS = ("train_step", "test_step", "predict_step", "compute_loss")
 
@@ -225,7 +225,7 @@ class CustomStep:
 
 def step_context(what: str) -> ReplicaContext:
     """The context of the step this thread runs, or a clear error outside one."""
-    from fitdp.executor.gather import current
+    from fitdp.call.gather import current
 
     context = current()
     if context is None:

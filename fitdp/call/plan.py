@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fitdp.call.monitor import Monitor
 from fitdp.call.ranks import DEFAULT_TIMEOUT, Ranks
 from fitdp.call.replicas import Placement
 from fitdp.callbacks import Callback, CallbackList, WeightAveraging
@@ -21,7 +22,6 @@ from fitdp.data.sources import DataSource, make_source
 from fitdp.data.sources.convert import as_tensors, split_validation
 from fitdp.data.sources.make import is_source
 from fitdp.executor.devices import DevicesArg, pin_host_batches, resolve_devices
-from fitdp.executor.monitor import Monitor
 from fitdp.executor.slicing import check_work_load_arg
 from fitdp.saving.entries import resume_path
 

@@ -21,6 +21,7 @@ from torch import nn
 from fitdp.call.batches import PREDICT, TEST, TRAIN, assemble, run_batches
 from fitdp.call.first_batch import check_outputs, raised_in_fitdp
 from fitdp.call.modes import Modes
+from fitdp.call.monitor import Monitor
 from fitdp.call.plan import CallPlan, FitPlan
 from fitdp.call.replicas import Replicas
 from fitdp.call.run_state import RunState
@@ -35,7 +36,6 @@ from fitdp.data.sources import DataSource
 from fitdp.executor.bound_step import BatchStep
 from fitdp.executor.checkpointing import ActivationCheckpointing
 from fitdp.executor.interrupts import GUARD, SIGTERM, Preempted
-from fitdp.executor.monitor import Monitor
 from fitdp.executor.replica import call_module
 from fitdp.saving.entries import Entry, EpochLogs
 

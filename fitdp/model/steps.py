@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from fitdp.call.custom_step import overridden, step_context
+from fitdp.call.gather import current
 from fitdp.checks import fail
 from fitdp.compiled.optimizers import MultiOptimizer
-from fitdp.executor.gather import current
 from fitdp.executor.replica import call_module
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import fitdp
-from fitdp.executor import gather
+from fitdp.call import gather
 from tests.model.test_custom_step import (
     GAN,
     Contrastive,
