@@ -12,8 +12,10 @@ import fitdp
 
 ROOT = Path(fitdp.__file__).resolve().parent
 # torch.nn.Module's own tables, which bucket sharing writes as torch's docs do (a fitdp class
-# may use the same name for a field of its own).
-TORCH_FIELDS = {"_parameters", "_buffers", "_modules"}
+# may use the same name for a field of its own), and the mark an LR scheduler's patched
+# ``optimizer.step`` leaves (the sharded step writes it as that patch does; the scheduler
+# steps read it as torch's order warning does).
+TORCH_FIELDS = {"_parameters", "_buffers", "_modules", "_opt_called"}
 
 
 def private_names(tree: ast.AST, *, own: bool = False) -> set[str]:

@@ -114,12 +114,15 @@ class SWA(WeightAveraging):
                 state.update(_step_count=self._lr_steps + 1, last_epoch=self._lr_steps)
                 self._scheduler.load_state_dict(state)
         if self._lr_epoch is not None and self._lr_epoch < epoch:
-            with warnings.catch_warnings():
-                # A scheduler remade on resume has not seen this run's optimizer steps:
-                # torch would warn that it steps before the optimizer, which it does not.
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step",
-                                        UserWarning)
-                self._scheduler.step()
+            if self._lr_steps or getattr(self._scheduler.optimizer, "_opt_called", False):
+                self._scheduler.step()  # torch warns of the order only before both stepped
+            else:
+                with warnings.catch_warnings():  # (process-wide: entered only when needed)
+                    # A scheduler remade on resume has not seen this run's optimizer steps:
+                    # torch would warn that it steps before the optimizer, which it does not.
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step",
+                                            UserWarning)
+                    self._scheduler.step()
             self._lr_steps = (self._lr_steps or 0) + 1
             self._lr_epoch = epoch
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -241,7 +241,10 @@ class DeviceMetrics:
         updated = [s for s in specs if s.updates > 0] or [specs[0]]
         target = updated[0].metric
         assert target is not None  # noqa: S101 - only built specs are computed
-        with warnings.catch_warnings():
+        # catch_warnings swaps process-wide state (see compiled/setup.py): entered only
+        # when a filter is needed.
+        quiet = warnings.catch_warnings() if updated[0].restored else nullcontext()
+        with quiet:
             if updated[0].restored:
                 # States a resume put back count as updates; torchmetrics counts only this
                 # process's and would call them "not yet updated".

@@ -173,11 +173,27 @@ class Compiled:
         """Step the scheduler if it runs per ``interval`` ("epoch" or "step")."""
         if self.scheduler is None or self.interval != interval:
             return
+        if not _may_warn_of_order(self.scheduler):
+            self.scheduler.step()
+            return
         with warnings.catch_warnings():
             # A run resumed at an epoch's end steps the scheduler before any optimizer step
             # of this process: the order is right, torch's warning is not.
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
             self.scheduler.step()
+
+
+def _may_warn_of_order(scheduler: Any) -> bool:
+    """Whether ``scheduler.step()`` may warn that it runs before ``optimizer.step()``: torch's
+    own test (``LRScheduler.step``: the scheduler's first step, its optimizer not stepped
+    yet), read with defaults that say yes for a scheduler of another kind.
+
+    Only then is the warning filtered: ``catch_warnings`` swaps the process-wide filter list
+    and resets every module's record of warnings shown, so entered on every step it showed a
+    user's show-once warning again at each step, and dropped filters another thread set."""
+    optimizer = getattr(scheduler, "optimizer", None)
+    return getattr(scheduler, "_step_count", 1) == 1 and not getattr(
+        optimizer, "_opt_called", False)
 
 
 def check_forward_kwargs(kwargs: Any) -> None:
