@@ -27,8 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from fitdp.call.ranks import Ranks
 
 _TLS = threading.local()
 WAIT_SECONDS = 300.0  # a replica that never arrives: a clear error instead of a hang
@@ -283,22 +284,5 @@ def all_gather(tensor: torch.Tensor) -> torch.Tensor:
                 "each other for ever). Fix: devices=[0, 1, ...], one entry per GPU")
         tensor = _GatherReplicas.apply(tensor, context)
     elif context.ranks:
-        tensor = _gather_ranks(tensor)
+        tensor = Ranks.gather_tensor(tensor)
     return tensor
-
-
-def _gather_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """Across ranks, differentiable; ranks with fewer rows are padded, then cut back."""
-    import torch.distributed.nn.functional as dist_nn  # torch's differentiable collectives
-
-    world = dist.get_world_size()
-    rows = torch.tensor([tensor.shape[0]], device=tensor.device)
-    counts = [torch.zeros_like(rows) for _ in range(world)]
-    dist.all_gather(counts, rows)
-    sizes = [int(c) for c in counts]
-    most = max(sizes)
-    if tensor.shape[0] < most:
-        pad = tensor.new_zeros((most - tensor.shape[0], *tensor.shape[1:]))
-        tensor = torch.cat([tensor, pad])
-    parts = dist_nn.all_gather(tensor)
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)])

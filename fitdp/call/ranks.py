@@ -72,8 +72,12 @@ class Ranks:
         """
         if not timeout > 0:
             raise ValueError(f"timeout: got {timeout}; expected a positive number of seconds")
+        global _failed
         if not self.enabled:
             return
+        # A call starts on this rank: an earlier call's failure, which the user caught and
+        # carried on from, no longer makes this rank leave at exit without its peers.
+        _failed = False
         cuda = all(d.type == "cuda" for d in devices)
         if cuda:
             # Also for a group the user initialized: NCCL's object collectives (check_even,
@@ -168,6 +172,25 @@ class Ranks:
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, keyed)
         return [item for part in parts for item in part]
+
+    @staticmethod
+    def gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of ``tensor`` (dim 0), in rank order, on every rank, with
+        torch's differentiable ``all_gather`` (``fitdp.all_gather`` across ranks); ranks with
+        fewer rows are padded, then cut back."""
+        import torch.distributed.nn.functional as dist_nn  # torch's differentiable collectives
+
+        world = dist.get_world_size()
+        rows = torch.tensor([tensor.shape[0]], device=tensor.device)
+        counts = [torch.zeros_like(rows) for _ in range(world)]
+        dist.all_gather(counts, rows)
+        sizes = [int(c) for c in counts]
+        most = max(sizes)
+        if tensor.shape[0] < most:
+            pad = tensor.new_zeros((most - tensor.shape[0], *tensor.shape[1:]))
+            tensor = torch.cat([tensor, pad])
+        parts = dist_nn.all_gather(tensor)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
     def barrier(self) -> None:
         """Wait until every rank has arrived (one process: returns at once)."""

@@ -82,3 +82,26 @@ def test_one_process_collectives_are_the_identity():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="timeout: got 0"):
         ranks.join([torch.device("cpu")], 0)
+
+
+def test_a_caught_failure_made_every_later_exit_skip_the_leaving_barrier(monkeypatch, capsys):
+    """Regression: a failure reported in one call (and caught by the user) stayed recorded
+    for the process, so after later calls that ran fine the rank left the group at exit
+    without the barrier that keeps gloo from aborting while a peer still talks to it."""
+    from fitdp.call import ranks as ranks_module
+
+    met: list[str] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: met.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: met.append("left"))
+    monkeypatch.setattr(ranks_module, "_failed", False)
+    ranks = Ranks(rank=0, world_size=2)
+    ranks.report_failure(ValueError("a bad batch"))  # the first call fails; the user goes on
+    assert "fitdp: rank 0 (local 0) failed" in capsys.readouterr().err
+    ranks_module._leave()
+    assert met == ["left"]  # exiting right after the failure: no barrier
+    met.clear()
+    ranks.join([torch.device("cpu")], 1.0)  # the next call joins and runs fine
+    ranks_module._leave()
+    assert met == ["barrier", "left"]
