@@ -175,3 +175,24 @@ def test_bad_data_is_refused_with_the_same_words(kwargs, exc, words):
     with pytest.raises(exc) as err:
         make_model().fit(verbose=0, batch_size=5, devices=["cpu"], **kwargs)
     assert str(err.value).startswith(words), str(err.value)
+
+
+class CountingLoader(DataLoader):
+    """A DataLoader that counts its iterators (each starts its workers when it has some)."""
+
+    iterators = 0
+
+    def __iter__(self):
+        CountingLoader.iterators += 1
+        return super().__iter__()
+
+
+def test_reading_a_dataloader_starts_no_iterator():
+    """Regression: the source of a DataLoader asked ``iter(loader) is loader`` to tell a
+    generator from it, which starts and drops the loader's worker processes (0.2 s for two
+    workers on this project's CPU) before the first epoch starts them again."""
+    loader = CountingLoader(TensorDataset(X, Y), batch_size=5)
+    source = fitdp.data.sources.make_source(loader, batch_size=5, shuffle=False, seed=0)
+    assert CountingLoader.iterators == 0
+    assert [b.batch_size for b in source] == [5, 5, 5, 5]
+    assert CountingLoader.iterators == 1
