@@ -17,10 +17,8 @@ from fitdp.call.ranks import DEFAULT_TIMEOUT, Ranks
 from fitdp.call.replicas import Placement
 from fitdp.callbacks import Callback, CallbackList, WeightAveraging
 from fitdp.checks import FitdpWarning, check_choice, check_int, check_number, fail
-from fitdp.data.batch import DataBatch
-from fitdp.data.sources import DataSource, make_source
-from fitdp.data.sources.convert import as_tensors, split_validation
-from fitdp.data.sources.make import is_source
+from fitdp.data.sources import DataSource
+from fitdp.data.sources.make import Kind, UserData, read_data
 from fitdp.executor.devices import DevicesArg, pin_host_batches, resolve_devices
 from fitdp.executor.slicing import check_work_load_arg
 from fitdp.saving.entries import resume_path
@@ -101,29 +99,32 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         check_choice("shuffle", shuffle, (True, False))
     check_number("timeout", timeout, low=0, low_open=True, fix="pass seconds, e.g. timeout=600")
     seed = _seed(seed)
-    if _splits(validation_split):
-        if validation_data is not None:
-            fail("validation_split", validation_split, "validation_split or validation_data, "
-                 "not both", "drop one of them")
-        x, y, sample_weight = _split(x, y, sample_weight, validation_split)
-        validation_data = (x[1], y[1]) if sample_weight[1] is None else (x[1], y[1],
-                                                                          sample_weight[1])
-        x, y, sample_weight = x[0], y[0], sample_weight[0]
+    split = _splits(validation_split)
+    if split and validation_data is not None:
+        fail("validation_split", validation_split, "validation_split or validation_data, "
+             "not both", "drop one of them")
+    data = read_data(x, y, sample_weight, labels_optional=model.labels_optional)
+    val_data: UserData | None = None
+    if split:  # cut from the tensors read once
+        data, val_data = data.split(validation_split)
     placement, auto = _place(model, devices, work_load_list, batch_size)
     ranks = placement.ranks
-    train = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                        labels_optional=model.labels_optional,
+    pin = pin_host_batches(placement.devices)
+    train = data.source(batch_size=batch_size, shuffle=shuffle, seed=seed,
                         class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size,
-                        pin_memory=pin_host_batches(placement.devices))
+                        pin_memory=pin)
     num = train.num_batches
-    if steps is None and epochs - initial_epoch > 1 and num is None and _one_shot(x):
+    if (steps is None and epochs - initial_epoch > 1 and num is None
+            and data.kind is Kind.GENERATOR):
         fail("x", f"a one-shot iterator ({type(x).__name__})", f"data that can be iterated "
              f"{epochs - initial_epoch} times, or steps_per_epoch", "pass steps_per_epoch= "
              "(an endless generator trains as long as asked), a list, a DataLoader or a "
              "re-iterable object", described=True)
-    val = None if validation_data is None else _validation_source(
-        validation_data, val_batch, seed, ranks, pin_host_batches(placement.devices),
-        model.labels_optional)
+    if validation_data is not None:
+        val_data = _validation_data(validation_data, model.labels_optional)
+    val = None if val_data is None else val_data.source(
+        batch_size=val_batch, shuffle=False, seed=seed, rank=ranks.rank,
+        world_size=ranks.world_size, pin_memory=pin)
     amounts = [("x", _amounts(train))]
     if val is not None:
         amounts.append(("validation_data", _amounts(val)))
@@ -131,8 +132,8 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
                      steps=steps or num)
     return FitPlan(
         source=train, callbacks=cbs, placement=_bucketed(placement, train),
-        steps=steps, user_source=is_source(x), epochs=epochs, initial_epoch=initial_epoch,
-        borrowed=(val,) if val is not None and is_source(validation_data) else (),
+        steps=steps, user_source=_users(data), epochs=epochs, initial_epoch=initial_epoch,
+        borrowed=(val,) if val is not None and _users(val_data) else (),
         auto_loads=auto, timeout=timeout, amounts=tuple(amounts),
         val=val, val_steps=val_steps, val_freq=val_freq, seed=seed, monitor=monitor,
         resume=resume_path(resume, cbs.callbacks), log_every=log_every,
@@ -147,15 +148,16 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
     steps = None if steps is None else _steps("steps", steps)
     placement, auto = _place(model, devices, work_load_list, None)
     ranks = placement.ranks
-    source = make_source(x, y, sample_weight, batch_size=batch_size, shuffle=False, seed=0,
-                         has_labels=has_labels, labels_optional=model.labels_optional,
-                         rank=ranks.rank, world_size=ranks.world_size,
+    data = read_data(x, y, sample_weight, has_labels=has_labels,
+                     labels_optional=model.labels_optional)
+    source = data.source(batch_size=batch_size, shuffle=False, seed=0, rank=ranks.rank,
+                         world_size=ranks.world_size,
                          pin_memory=pin_host_batches(placement.devices))
     cbs = _callbacks(model, callbacks, verbose, steps=steps or source.num_batches,
                      batch_size=batch_size)
     return CallPlan(source=source, callbacks=cbs, placement=_bucketed(placement, source),
-                    steps=steps, user_source=is_source(x),
-                    borrowed=(source,) if is_source(x) else (), auto_loads=auto,
+                    steps=steps, user_source=_users(data),
+                    borrowed=(source,) if _users(data) else (), auto_loads=auto,
                     amounts=(("x", _amounts(source)),))
 
 
@@ -243,38 +245,17 @@ def _validation_freq(freq: Any) -> int | Sequence[int]:
                      "list of epochs (1-based)")
 
 
-def _split(x: Any, y: Any, w: Any, fraction: Any) -> tuple[list[Any], list[Any], list[Any]]:
-    """Keras's validation_split on in-memory data (``x`` may be an ``(x, y[, w])`` tuple)."""
-    if y is None and isinstance(x, tuple) and len(x) in (2, 3):
-        x, y, w = (*x, w) if len(x) == 2 else x
-    if y is None or isinstance(x, (DataBatch, torch.utils.data.Dataset)) or is_source(x):
-        fail("validation_split", fraction, "in-memory x and y (tensors or arrays)",
-             "pass validation_data= for Datasets, DataLoaders and iterators")
-    trees = [as_tensors(x, "x"), as_tensors(y, "y")]
-    if w is not None:
-        trees.append(as_tensors(w, "sample_weight"))
-    train, val = split_validation(fraction, *trees)
-    if w is None:
-        train.append(None)
-        val.append(None)
-    return [train[0], val[0]], [train[1], val[1]], [train[2], val[2]]
-
-
-def _validation_source(data: Any, batch_size: int, seed: int, ranks: Ranks,
-                       pin_memory: bool, optional: bool) -> DataSource:
+def _validation_data(data: Any, optional: bool) -> UserData:
+    """``validation_data``: ``(x, y[, sample_weight])`` or data that yields its own targets."""
     x, y, w = data, None, None
     if isinstance(data, tuple) and len(data) in (2, 3):
         x, y, w = (*data, None) if len(data) == 2 else data
-    return make_source(x, y, w, batch_size=batch_size, shuffle=False, seed=seed,
-                       rank=ranks.rank, world_size=ranks.world_size, name="validation_data",
-                       pin_memory=pin_memory, labels_optional=optional)
+    return read_data(x, y, w, name="validation_data", labels_optional=optional)
 
 
-def _one_shot(x: Any) -> bool:
-    try:
-        return iter(x) is x
-    except TypeError:
-        return False
+def _users(data: UserData | None) -> bool:
+    """The data is the user's own source: the call gives it back as it found it."""
+    return data is not None and data.kind is Kind.SOURCE
 
 
 def legacy_data(x: Any, kwargs: Mapping[str, Any], method: str) -> Any:

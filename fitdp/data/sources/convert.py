@@ -49,6 +49,46 @@ def as_tensors(x: Any, name: str) -> Any:
     fail(name, x, "a tensor, a numpy array, or a tuple/list/dict of them", error=TypeError)
 
 
+def read_tensors(x: Any, y: Any, w: Any, *, has_labels: bool, labels_optional: bool,
+                 name: str) -> tuple[Any, Any, torch.Tensor | None]:
+    """In-memory ``x``, ``y`` and ``sample_weight`` as tensors, converted and checked once
+    (``make_source``'s arguments): an ``(x, y[, sample_weight])`` tuple unpacked, numpy
+    converted, rows counted, every float scanned for NaN and infinity (fit and evaluate).
+
+    Raises:
+        ValueError: no samples, lengths that differ, missing targets, a NaN or an infinity.
+        TypeError: anything but tensors, numeric arrays and tuples/lists/dicts of them.
+    """
+    if has_labels and y is None and isinstance(x, tuple) and len(x) in (2, 3):  # (x, y[, w])
+        x, y, w = (*x, w) if len(x) == 2 else x
+    x = as_tensors(x, name)
+    n = batch_length(x)
+    if n == 0:
+        fail(name, "0 samples", "at least one", described=True)
+    check_rows(x, name, n, first=f"{name}'s first input")
+    if has_labels:  # fit and evaluate (a NaN there trains or scores silently to NaN)
+        check_finite(x, name)
+    if y is not None:
+        y = as_tensors(y, "y")
+        check_rows(y, "y", n, first=name)
+        check_finite(y, "y" if name == "x" else f"{name} targets")
+    elif has_labels and not labels_optional:
+        fail("y", None, f"targets for {name}", "pass y=... or x=(inputs, targets)",
+             error=ValueError)
+    if w is not None:
+        w = _weights(as_tensors(w, "sample_weight"), "sample_weight")
+        check_rows(w, "sample_weight", n, first=name)
+        check_finite(w, "sample_weight")
+    return x, y, w
+
+
+def _weights(w: Any, name: str) -> torch.Tensor:
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point():
+        fail(name, f"{type(w).__name__} of shape {tuple(getattr(w, 'shape', ()))}",
+             "a 1-D float tensor or array, one weight per sample", described=True)
+    return w
+
+
 def leaves_with_names(tree: Any, name: str) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every tensor of a tree, named like ``x[0]`` or ``x['ids']``."""
     if isinstance(tree, torch.Tensor):
@@ -144,6 +184,4 @@ def split_validation(fraction: Any, *trees: Any) -> tuple[list[Any], list[Any]]:
     if cut <= 0 or cut >= n:
         fail("validation_split", fraction, f"a fraction that leaves at least one of the {n} "
              f"samples on each side (it gives {cut} to train, {n - cut} to validate)")
-    head, tail = slice(0, cut), slice(cut, n)
-    return ([tree_map(lambda t: t[head], t) for t in trees],
-            [tree_map(lambda t: t[tail], t) for t in trees])
+    return list(tree_map(lambda t: t[:cut], trees)), list(tree_map(lambda t: t[cut:], trees))

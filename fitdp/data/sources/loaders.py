@@ -77,7 +77,9 @@ class LoaderSource:
         self.loader = loader
         self.has_labels = has_labels
         self.labels_optional = labels_optional
-        self.one_shot = iter(loader) is loader
+        # an iterator is its own iter(); asking iter() of a DataLoader would start (and drop)
+        # its worker processes
+        self.one_shot = isinstance(loader, Iterator)
         self.structure: Any = None
         self.epoch = 0
         self.position = 0  # batches consumed: in this epoch, or in all (one-shot)

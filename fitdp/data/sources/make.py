@@ -1,8 +1,21 @@
-"""``make_source``: every form ``fit``/``evaluate``/``predict`` accept, as one ``DataSource``."""
+"""What a user passed to ``fit``/``evaluate``/``predict``, classified once (``Kind``),
+converted once (``read_data``), and made into one ``DataSource`` (``UserData.source``).
+
+Example:
+    >>> import torch
+    >>> data = read_data(torch.zeros(10, 3), torch.zeros(10))
+    >>> data.kind, data.x.shape
+    (<Kind.TENSORS: 'in-memory tensors or arrays'>, torch.Size([10, 3]))
+    >>> train, val = data.split(0.2)
+    >>> train.source(batch_size=4, shuffle=False, seed=0).num_batches, val.x.shape[0]
+    (2, 2)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
+import enum
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -10,12 +23,132 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from fitdp.checks import check_number, fail
-from fitdp.data.batch import DataBatch, batch_length
-from fitdp.data.sources.convert import as_tensors, check_finite, check_rows
+from fitdp.data.batch import DataBatch
+from fitdp.data.sources.convert import read_tensors, split_validation
 from fitdp.data.sources.loaders import EpochSampler, LoaderSource
 from fitdp.data.sources.protocol import DataSource
 from fitdp.data.sources.sharded import ShardedSource
 from fitdp.data.sources.tensors import TensorSource
+
+
+class Kind(enum.Enum):
+    """What a user's data is, decided once; each kind has one conversion (``UserData.source``).
+
+    Tensors, numpy arrays and tuples/lists/dicts of them (a Hugging Face batch dict) are one
+    kind: one conversion (``as_tensors``) reads them all.
+    """
+
+    TENSORS = "in-memory tensors or arrays"
+    DATASET = "a map-style Dataset"
+    STREAM = "an IterableDataset"
+    BATCHES = "a DataLoader or another re-iterable object of batches"
+    GENERATOR = "a one-shot iterator of batches (a generator)"
+    SOURCE = "an object with the DataSource interface"
+
+
+@dataclasses.dataclass(frozen=True)
+class UserData:
+    """A user's data after its one classification and conversion.
+
+    Attributes:
+        kind: what the data is.
+        x: the inputs as tensors (``Kind.TENSORS``), else the user's object as passed.
+        y, sample_weight: the targets and per-sample weights as tensors, or None (only
+            ``Kind.TENSORS`` has them: other kinds yield their own).
+        has_labels: False for predict (targets are not needed).
+        labels_optional: batches may hold their own labels (see ``make_source``).
+    """
+
+    kind: Kind
+    x: Any
+    y: Any = None
+    sample_weight: Any = None
+    has_labels: bool = True
+    labels_optional: bool = False
+
+    def split(self, fraction: Any) -> tuple[UserData, UserData]:
+        """Keras's ``validation_split``, cut from the converted tensors: the first
+        ``floor(n * (1 - fraction))`` samples train, the rest validate (before any shuffle).
+
+        Raises:
+            ValueError: data that is not in-memory ``x`` and ``y``, or a split that leaves a
+                side empty (naming ``validation_split``).
+        """
+        if self.kind is not Kind.TENSORS or self.y is None:
+            fail("validation_split", fraction, "in-memory x and y (tensors or arrays)",
+                 "pass validation_data= for Datasets, DataLoaders and iterators")
+        train, val = split_validation(fraction, self.x, self.y, self.sample_weight)
+        return (dataclasses.replace(self, x=train[0], y=train[1], sample_weight=train[2]),
+                dataclasses.replace(self, x=val[0], y=val[1], sample_weight=val[2]))
+
+    def source(self, *, batch_size: int, shuffle: bool, seed: int,
+               class_weight: Mapping[int, float] | None = None, rank: int = 0,
+               world_size: int = 1, pin_memory: bool = False) -> DataSource:
+        """The data source of this kind (this rank's share of it under torch.distributed);
+        the arguments are ``make_source``'s.
+
+        Raises:
+            TypeError, ValueError: a bad ``class_weight``.
+        """
+        if self.kind is Kind.TENSORS:
+            w = self.sample_weight
+            if class_weight is not None:
+                cw = class_weights(class_weight, self.y)
+                w = cw if w is None else w * cw
+            return TensorSource(self.x, self.y, batch_size, sample_weight=w, shuffle=shuffle,
+                                seed=seed, rank=rank, world_size=world_size,
+                                pin_memory=pin_memory)
+        source: DataSource
+        if self.kind is Kind.SOURCE:
+            source = self.x  # a source already, e.g. a BucketIterator
+        elif self.kind is Kind.STREAM:  # batched in its own order (no sampler)
+            source = self._loader(DataLoader(self.x, batch_size=batch_size,
+                                             pin_memory=pin_memory))
+        elif self.kind is Kind.DATASET:
+            sampler = EpochSampler(_maybe_len(self.x) or 0, seed=seed, shuffle=shuffle)
+            source = self._loader(DataLoader(self.x, batch_size=batch_size, sampler=sampler,
+                                             pin_memory=pin_memory))
+        else:  # batches as they come (a DataLoader is used as it is)
+            source = self._loader(self.x)
+        if class_weight is not None:
+            source = ClassWeighted(source, class_weight)
+        return source if world_size == 1 else ShardedSource(source, rank, world_size)
+
+    def _loader(self, batches: Iterable[Any]) -> LoaderSource:
+        return LoaderSource(batches, has_labels=self.has_labels,
+                            labels_optional=self.labels_optional)
+
+
+def read_data(x: Any, y: Any = None, sample_weight: Any = None, *, has_labels: bool = True,
+              labels_optional: bool = False, name: str = "x") -> UserData:
+    """Classify what a user passed, once, and convert and check in-memory data, once.
+
+    Args:
+        x, y, sample_weight, has_labels, labels_optional, name: as in ``make_source``.
+
+    Raises:
+        ValueError: empty data, lengths that differ, targets given twice, a NaN or an
+            infinity in in-memory data.
+        TypeError: a form fitdp does not accept.
+    """
+    if x is None:
+        fail(name, None, "tensors, a Dataset, a DataLoader or an iterable of batches",
+             error=ValueError)
+    kind = _kind(x)
+    if kind is Kind.TENSORS:
+        x, y, sample_weight = read_tensors(x, y, sample_weight, has_labels=has_labels,
+                                           labels_optional=labels_optional, name=name)
+        return UserData(kind, x, y, sample_weight, has_labels, labels_optional)
+    for arg, value in (("y", y), ("sample_weight", sample_weight)):
+        if value is not None:
+            fail(arg, f"a value together with {name} of type {type(x).__name__}",
+                 f"{arg}=None: that {type(x).__name__} yields its own "
+                 f"{'targets' if arg == 'y' else 'weights'}", described=True)
+    if kind is Kind.DATASET and _maybe_len(x) == 0:
+        fail(name, "an empty Dataset", "at least one sample", described=True)
+    if kind is Kind.BATCHES and _maybe_len(x) == 0:
+        fail(name, f"an empty {type(x).__name__}", "at least one batch", described=True)
+    return UserData(kind, x, has_labels=has_labels, labels_optional=labels_optional)
 
 
 def make_source(
@@ -35,7 +168,7 @@ def make_source(
     pin_memory: bool = False,
 ) -> DataSource:
     """Turn what a user passed to fit/evaluate/predict into a data source (this rank's share
-    of it under torch.distributed).
+    of it under torch.distributed): ``read_data`` then ``UserData.source``.
 
     Args:
         x: tensors/arrays (with ``y``), an ``(x, y)`` or ``(x, y, sample_weight)`` tuple, a
@@ -62,17 +195,11 @@ def make_source(
         ValueError: empty data, lengths that differ, targets given twice.
         TypeError: a form fitdp does not accept.
     """
-    if x is None:
-        fail(name, None, "tensors, a Dataset, a DataLoader or an iterable of batches",
-             error=ValueError)
-    source = _batch_source(x, y, sample_weight, batch_size, shuffle, seed,
-                           has_labels, labels_optional, name, pin_memory)
-    if source is None:
-        return _tensor_source(x, y, sample_weight, batch_size, shuffle, seed, has_labels,
-                              labels_optional, class_weight, rank, world_size, name, pin_memory)
-    if class_weight is not None:
-        source = ClassWeighted(source, class_weight)
-    return source if world_size == 1 else ShardedSource(source, rank, world_size)
+    data = read_data(x, y, sample_weight, has_labels=has_labels,
+                     labels_optional=labels_optional, name=name)
+    return data.source(batch_size=batch_size, shuffle=shuffle, seed=seed,
+                       class_weight=class_weight, rank=rank, world_size=world_size,
+                       pin_memory=pin_memory)
 
 
 def is_source(obj: Any) -> bool:
@@ -81,64 +208,20 @@ def is_source(obj: Any) -> bool:
                                           "num_batches", "__iter__"))
 
 
-def _batch_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: int,
-                  has_labels: bool, labels_optional: bool, name: str, pin_memory: bool
-                  ) -> DataSource | None:
-    """A source for data that comes in batches (or a Dataset); None for in-memory tensors."""
-    if not (is_source(x) or isinstance(x, (DataLoader, Dataset)) or _is_batch_iterable(x)):
-        return None
-    for arg, value in (("y", y), ("sample_weight", w)):
-        if value is not None:
-            fail(arg, f"a value together with {name} of type {type(x).__name__}",
-                 f"{arg}=None: that {type(x).__name__} yields its own "
-                 f"{'targets' if arg == 'y' else 'weights'}", described=True)
+def _kind(x: Any) -> Kind:
+    """The one look at the type of a user's data."""
     if is_source(x):
-        return x  # a source already, e.g. a BucketIterator
-    if isinstance(x, IterableDataset):  # a stream: batched in its own order (no sampler)
-        return LoaderSource(DataLoader(x, batch_size=batch_size, pin_memory=pin_memory),
-                            has_labels=has_labels, labels_optional=labels_optional)
+        return Kind.SOURCE
+    if isinstance(x, IterableDataset):
+        return Kind.STREAM
     if isinstance(x, Dataset) and not isinstance(x, DataLoader):
-        n = _maybe_len(x)
-        if n == 0:
-            fail(name, "an empty Dataset", "at least one sample", described=True)
-        sampler = EpochSampler(n or 0, seed=seed, shuffle=shuffle)
-        return LoaderSource(DataLoader(x, batch_size=batch_size, sampler=sampler,
-                                       pin_memory=pin_memory), has_labels=has_labels,
-                            labels_optional=labels_optional)
-    if _maybe_len(x) == 0:
-        fail(name, f"an empty {type(x).__name__}", "at least one batch", described=True)
-    return LoaderSource(x, has_labels=has_labels, labels_optional=labels_optional)
-
-
-def _tensor_source(x: Any, y: Any, w: Any, batch_size: int, shuffle: bool, seed: int,
-                   has_labels: bool, labels_optional: bool,
-                   class_weight: Mapping[int, float] | None, rank: int, world_size: int,
-                   name: str, pin_memory: bool) -> TensorSource:
-    if has_labels and y is None and isinstance(x, tuple) and len(x) in (2, 3):  # (x, y[, w])
-        x, y, w = (*x, w) if len(x) == 2 else x
-    x = as_tensors(x, name)
-    n = batch_length(x)
-    if n == 0:
-        fail(name, "0 samples", "at least one", described=True)
-    check_rows(x, name, n, first=f"{name}'s first input")
-    if has_labels:  # fit and evaluate (a NaN there trains or scores silently to NaN)
-        check_finite(x, name)
-    if y is not None:
-        y = as_tensors(y, "y")
-        check_rows(y, "y", n, first=name)
-        check_finite(y, "y" if name == "x" else f"{name} targets")
-    elif has_labels and not labels_optional:
-        fail("y", None, f"targets for {name}", "pass y=... or x=(inputs, targets)",
-             error=ValueError)
-    if w is not None:
-        w = _weights(as_tensors(w, "sample_weight"), "sample_weight")
-        check_rows(w, "sample_weight", n, first=name)
-        check_finite(w, "sample_weight")
-    if class_weight is not None:
-        cw = class_weights(class_weight, y)
-        w = cw if w is None else w * cw
-    return TensorSource(x, y, batch_size, sample_weight=w, shuffle=shuffle, seed=seed,
-                        rank=rank, world_size=world_size, pin_memory=pin_memory)
+        return Kind.DATASET
+    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):  # DataBatch objects?
+        return Kind.BATCHES if x and all(isinstance(b, DataBatch) for b in x) else Kind.TENSORS
+    if isinstance(x, (str, bytes, torch.Tensor, np.ndarray, Mapping)) or not isinstance(
+            x, Iterable):
+        return Kind.TENSORS  # (or nothing fitdp reads: as_tensors names it)
+    return Kind.GENERATOR if isinstance(x, Iterator) else Kind.BATCHES
 
 
 def class_weights(class_weight: Mapping[int, float], y: Any) -> torch.Tensor:
@@ -171,13 +254,6 @@ def class_weights(class_weight: Mapping[int, float], y: Any) -> torch.Tensor:
     return table.to(y.device)[y.clamp(min=0)]
 
 
-def _weights(w: Any, name: str) -> torch.Tensor:
-    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point():
-        fail(name, f"{type(w).__name__} of shape {tuple(getattr(w, 'shape', ()))}",
-             "a 1-D float tensor or array, one weight per sample", described=True)
-    return w
-
-
 class ClassWeighted:
     """A batch source whose batches get their class's weight as sample weight."""
 
@@ -201,12 +277,3 @@ def _maybe_len(obj: Any) -> int | None:
         return len(obj)
     except TypeError:
         return None
-
-
-def _is_batch_iterable(data: Any) -> bool:
-    """An iterable of batches (a list of DataBatch, a generator), not a tensor container."""
-    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
-        return len(data) > 0 and all(isinstance(b, DataBatch) for b in data)
-    if isinstance(data, (str, bytes, torch.Tensor, np.ndarray, Mapping)):
-        return False
-    return isinstance(data, Iterable)
