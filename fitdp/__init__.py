@@ -11,7 +11,8 @@ from fitdp._version import __version__
 from fitdp.data.batch import DataBatch, DataDesc
 from fitdp.data.bucketing import BucketIterator
 from fitdp.data.sequence import TokenMean
-from fitdp.executor.engines import DDP, FSDP
+from fitdp.executor.ddp import DDP
+from fitdp.executor.fsdp import FSDP
 from fitdp.executor.gather import all_gather
 from fitdp.executor.interrupts import Preempted
 from fitdp.executor.monitor import Monitor
