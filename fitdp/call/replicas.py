@@ -19,7 +19,6 @@ from fitdp.compiled.setup import Compiled
 from fitdp.data.sources import SourcePlan
 from fitdp.executor.engines import engine_for
 from fitdp.executor.fence import wait_for_snapshots
-from fitdp.executor.local_reduce import LocalReduce
 from fitdp.executor.manager import DataParallelExecutorManager
 
 
@@ -69,12 +68,11 @@ class Replicas:
         autocast = trainer.autocast_dtype if trainer is not None else None
         devices = list(placement.devices)
         # The call's engine, chosen once (a strategy that cannot run here fails before any
-        # copy); predict without compile: fitdp's own.
-        self.engine = engine_for(trainer.config.strategy, devices, placement.ranks.world_size,
-                                 bucketed=bucket_module is not None,
-                                 compiled=bool(trainer.config.compile),
-                                 custom_step=step is not None) if trainer else \
-            LocalReduce(placement.distributed)
+        # copy); predict without compile: the manager's default, fitdp's own.
+        engine = engine_for(trainer.config.strategy, devices, placement.ranks.world_size,
+                            bucketed=bucket_module is not None,
+                            compiled=bool(trainer.config.compile),
+                            custom_step=step is not None) if trainer else None
         if autocast is torch.float16 and any(d.type != "cuda" for d in devices):
             fail("compile(precision='16-mixed')", [str(d) for d in devices],
                  "CUDA devices only (it uses a CUDA GradScaler)",
@@ -93,9 +91,10 @@ class Replicas:
             loss=trainer.objective if trainer is not None else None,
             compile=trainer.config.compile if trainer is not None else False,
             autocast_dtype=autocast, distributed=placement.distributed, compute=step,
-            engine=self.engine,
+            engine=engine,
             forward_kwargs=trainer.forward_kwargs if trainer is not None else None,
         )
+        self.engine = self.manager.engine
         self.step = step
         if step is not None:
             step.bind(self.manager, trainer)

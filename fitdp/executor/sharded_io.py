@@ -111,12 +111,11 @@ def latest(folder: str | os.PathLike[str]) -> str | None:
         return None
 
 
-def load(folder: str | os.PathLike[str], state: dict[str, Any], *,
-         each_rank: bool = False) -> int:
-    """Fill ``state`` in place (its tensors' shapes and shardings say what each rank reads)
-    from the checkpoint ``LATEST`` names; returns its step. ``each_rank``: every rank reads
-    the plain tensors of ``state`` whole on its own (no collective). The files are not
-    checked here (a rank reads only its part): ``damaged_file`` checks them all.
+def load(folder: str | os.PathLike[str], state: dict[str, Any]) -> int:
+    """Fill the whole tensors of ``state`` in place from the checkpoint ``LATEST`` names
+    (DCP reshards the ranks' shards into them); returns its step. Every rank that calls it
+    reads on its own (no collective). The files are not checked here: ``damaged_file``
+    checks them all.
 
     Raises:
         FileNotFoundError: no complete checkpoint in ``folder``.
@@ -131,8 +130,7 @@ def load(folder: str | os.PathLike[str], state: dict[str, Any], *,
                                 f"with strategy='fsdp'")
     with warnings.catch_warnings():  # one process is the intent, not a mistake to warn of
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(root / name), no_dist=each_rank or not _grouped(),
-                 process_group=checkpoint_group() if not each_rank else None)
+        dcp.load(state, checkpoint_id=str(root / name), no_dist=True)
     return int(name.removeprefix("step-").split(".")[0])
 
 
