@@ -106,7 +106,6 @@ class FlatBuckets:
             g.zero_()
 
 
-
 def add_into(acc: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
     """The other devices' range of a gradient bucket added into device 0's ``acc``, in
     device order, each zeroed after (so a backward counts once however often it is asked)."""

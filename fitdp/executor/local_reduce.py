@@ -39,6 +39,7 @@ class LocalReduce(Engine):
         self.sources: list[nn.Parameter] = []
         self.cpu = True
         self.flat: FlatBuckets | None = None
+        self.buckets: list[torch.Tensor] = []  # device 0's gradient buckets (``reduce``)
 
     def replicas(self, module: nn.Module, devices: Sequence[torch.device],
                  autocast_dtype: torch.dtype | None) -> list[nn.Module]:
@@ -54,6 +55,7 @@ class LocalReduce(Engine):
             grads = self.distributed or not self.cpu  # see FlatBuckets
             self.flat = FlatBuckets(params, self.bucket_bytes, sources=self.sources,
                                     grads=grads)
+            self.buckets = self.flat.grad_flat[0]
         self.reduces = self.distributed and self.flat is not None
         return self.flat
 
@@ -61,5 +63,5 @@ class LocalReduce(Engine):
         """All-reduce (sum) device 0's gradient buckets across the ranks."""
         # Synchronous calls: gloo threads left holding async works can abort the interpreter
         # at exit, and with a few large buckets there is little to overlap anyway.
-        for g in self.flat.grad_flat[0]:  # type: ignore[union-attr]
+        for g in self.buckets:
             dist.all_reduce(g)
