@@ -13,7 +13,8 @@ from fitdp.call.monitor import Monitor
 from fitdp.data.batch import DataBatch, DataDesc
 from fitdp.data.bucketing import BucketIterator
 from fitdp.data.sequence import TokenMean
-from fitdp.executor.engines import DDP, FSDP
+from fitdp.executor.ddp import DDP
+from fitdp.executor.fsdp import FSDP
 from fitdp.executor.interrupts import Preempted
 from fitdp.model.facade import Model
 from fitdp.model.steps import unpack_x_y_sample_weight

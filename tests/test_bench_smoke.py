@@ -45,13 +45,6 @@ def test_distributed_bench_quick_runs() -> None:
     assert "target (a) >= 1.0x (b), median of the rounds' ratios:" in proc.stdout
 
 
-@pytest.mark.distributed  # one 2-rank gloo job on 127.0.0.1 under torchrun
-def test_hybrid_bench_quick_runs() -> None:
-    proc = quick("hybrid.py")
-    assert "step ratio (overlapped / after backward):" in proc.stdout, proc.stdout
-    assert "of its step" in proc.stdout and "bit for bit equal: True" in proc.stdout
-
-
 @pytest.mark.distributed  # launches 2-rank gloo jobs on 127.0.0.1 under torchrun
 def test_sharding_bench_measures_fit_under_both_strategies(tmp_path: Path) -> None:
     """bench/sharding.py counted fitdp's engines driven by hand, not Model.fit's ranks."""

@@ -17,7 +17,7 @@ from fitdp.compiled.metrics import DeviceMetrics
 from fitdp.compiled.optimizers import bind_optimizer
 from fitdp.compiled.setup import Compiled
 from fitdp.data.sources import SourcePlan
-from fitdp.executor.engines import FSDP, engine_for, reshard_state, shard_versions
+from fitdp.executor.engines import engine_for
 from fitdp.executor.fence import wait_for_snapshots
 from fitdp.executor.manager import DataParallelExecutorManager
 
@@ -67,14 +67,12 @@ class Replicas:
                  step: CustomStep | None = None) -> None:
         autocast = trainer.autocast_dtype if trainer is not None else None
         devices = list(placement.devices)
-        # DDP or FSDP2 for one device per rank (a strategy that cannot run here fails before
-        # any copy)
+        # The call's engine, chosen once (a strategy that cannot run here fails before any
+        # copy); predict without compile: the manager's default, fitdp's own.
         engine = engine_for(trainer.config.strategy, devices, placement.ranks.world_size,
                             bucketed=bucket_module is not None,
                             compiled=bool(trainer.config.compile),
                             custom_step=step is not None) if trainer else None
-        self.engine = engine
-        self._stored: list[int] | None = None  # shard versions when the host last matched
         if autocast is torch.float16 and any(d.type != "cuda" for d in devices):
             fail("compile(precision='16-mixed')", [str(d) for d in devices],
                  "CUDA devices only (it uses a CUDA GradScaler)",
@@ -93,8 +91,10 @@ class Replicas:
             loss=trainer.objective if trainer is not None else None,
             compile=trainer.config.compile if trainer is not None else False,
             autocast_dtype=autocast, distributed=placement.distributed, compute=step,
-            engine=engine, forward_kwargs=trainer.forward_kwargs if trainer is not None else None,
+            engine=engine,
+            forward_kwargs=trainer.forward_kwargs if trainer is not None else None,
         )
+        self.engine = self.manager.engine
         self.step = step
         if step is not None:
             step.bind(self.manager, trainer)
@@ -133,23 +133,20 @@ class Replicas:
         wait_for_snapshots()  # an async save may be copying a replica (the module itself)
         self.placement.ranks.broadcast_module(module, self.placement.devices[0])
         self.manager.set_params(dict(module.named_parameters()), dict(module.named_buffers()))
-        self._stored = self._versions()  # the host and the shards agree
+        self.engine.stored()
 
     def store_host(self, module: nn.Module) -> None:
         """Average the replicas into the host module, in place (exact when they agree).
 
-        FSDP2: the shards gathered into whole tensors, a collective that every rank joins
-        (``fit`` and ``evaluate`` end with it, ``ModelCheckpoint``/``BackupAndRestore`` call
-        it on every rank), skipped while no shard changed since the last one (tensor
-        versions), so that rank 0 alone can then read the weights (``get_weights``,
-        ``save``, ``export``)."""
+        Sharded weights (FSDP2) are gathered into whole tensors, a collective that every
+        rank joins (``fit`` and ``evaluate`` end with it, ``ModelCheckpoint``/
+        ``BackupAndRestore`` call it on every rank), skipped while the engine says the host
+        holds them already, so that rank 0 alone can then read the weights
+        (``get_weights``, ``save``, ``export``)."""
         wait_for_snapshots()  # an async save may be copying the host module
-        params = dict(module.named_parameters())
-        if isinstance(self.engine, FSDP):
-            if self._versions() == self._stored:
-                params = {}  # the host holds these already (buffers are not sharded)
-        self.manager.copy_to(params, dict(module.named_buffers()))
-        self._stored = self._versions()
+        params = {} if self.engine.host_current() else dict(module.named_parameters())
+        self.manager.copy_to(params, dict(module.named_buffers()))  # (buffers: never sharded)
+        self.engine.stored()
 
     def sharded_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """FSDP2: ``module``'s state with each parameter as this rank's shard (a DTensor, no
@@ -161,24 +158,19 @@ class Replicas:
 
     @property
     def shards_weights(self) -> bool:
-        """FSDP2: each rank holds a shard of every parameter."""
-        return isinstance(self.engine, FSDP)
-
-    def _versions(self) -> list[int]:
-        """The in-place version of each of this rank's shards (FSDP2; [] otherwise)."""
-        return shard_versions(self.manager.master_parameters()) if isinstance(
-            self.engine, FSDP) else []
+        """Each rank holds a shard of every parameter (FSDP2)."""
+        return self.engine.shards_weights
 
     def bind(self, optimizer: torch.optim.Optimizer, module: nn.Module, *, to_host: bool
              ) -> None:
-        """Carry ``optimizer`` between the host module's parameters and device 0's (FSDP2:
-        its state gathered to whole tensors on the host, on every rank, or sharded)."""
+        """Carry ``optimizer`` between the host module's parameters and device 0's (with its
+        state as the engine holds it: FSDP2's gathered to whole tensors on the host, on
+        every rank, or sharded)."""
         host = dict(module.named_parameters())
         replica = self.manager.named_master_parameters()
         src, dst = (replica, host) if to_host else (host, replica)
         bind_optimizer(optimizer, {id(src[n]): dst[n] for n in src if n in dst})
-        if isinstance(self.engine, FSDP):  # state of shards <-> whole tensors on the host
-            reshard_state(optimizer, to_host)
+        self.engine.carry_optimizer(optimizer, to_host)
 
     def own_buffers(self) -> dict[str, list[torch.Tensor]] | None:
         """The floating buffers whose replicas differ (BatchNorm statistics between epoch

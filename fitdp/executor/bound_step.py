@@ -30,7 +30,7 @@ import torch.distributed as dist
 from fitdp.checks import FitdpWarning
 from fitdp.data.batch import DataBatch, checked_rows
 from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck, slow_replicas_message
-from fitdp.executor.engines import set_sync
+from fitdp.executor.engine import Engine
 from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.per_replica import NAMED_PHASES, PHASES, weigh
@@ -76,10 +76,7 @@ class BatchStep:
         self.global_rows = mgr._global_rows if (
             mgr.distributed and is_train and mgr.loss is not None) else None
         self.autocast = mgr.autocast_dtype
-        # DDP's module, read per batch through the executor (dropped at exit, see engines);
-        # a replica that runs under no engine (bound at the manager's start) has none.
-        lead = mgr.execgrp.executors[0]
-        self.lead = lead if is_train and lead.ranked is not None else None
+        self.engine = mgr.engine  # told whether each training batch steps
         # Read once, not through the proxy per batch: the one group without buckets, the
         # slices by rows (cleared in place when the loads change), and whether the one CPU
         # replica's share runs on this thread (as ``DeviceWorkers.run`` would, less the list).
@@ -110,9 +107,7 @@ class BatchStep:
         stepping = False
         if update is not None:
             stepping = update.prepare(zero_grad, step)
-            lead = self.lead
-            if lead is not None and lead.ranked is not None:
-                set_sync(lead.ranked, stepping)  # DDP reduces in backward: on the step's batch
+            self.engine.prepare(stepping)
             job.update = update if zero_grad or stepping else None
         else:
             job.update = None
@@ -167,6 +162,7 @@ class StepMixin:
     distributed: bool
     loss: Any
     compute: Compute
+    engine: Engine
     cross_rank: Callable[[], None] | None
     autocast_dtype: torch.dtype | None
     flat: FlatBuckets | None

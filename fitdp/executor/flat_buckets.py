@@ -1,8 +1,8 @@
-"""Flat buckets of parameters and gradients, and their all-reduce across ranks.
+"""Flat buckets of parameters and gradients (fitdp's own engine's storage, ``LocalReduce``).
 
 The sums across this process's devices and the copies back are the ``Update``'s
-(``fitdp.executor.update``), one range per shard; ``reduce_global`` is the manager's default
-cross-rank reduction (``manager.cross_rank``).
+(``fitdp.executor.update``), one range per shard; ``LocalReduce.reduce`` all-reduces device
+0's gradient buckets across the ranks.
 """
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-BUCKET_BYTES = 25 * 1024 * 1024
+BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 
 
 class FlatBuckets:
@@ -36,7 +35,7 @@ class FlatBuckets:
     Args:
         params: ``params[d][k]`` is the k-th trainable parameter on device d (same order on
             every device).
-        bucket_bytes: target size of one bucket (default ``BUCKET_BYTES``).
+        bucket_bytes: target size of one bucket.
         sources: ``sources[k]`` holds the k-th parameter's shape and values, copied into
             every device's bucket (default: each device's own parameter). A replica made
             hollow (``sharing.replica``) has only placeholders, filled here: its weights are
@@ -51,10 +50,9 @@ class FlatBuckets:
         [1, 1]
     """
 
-    def __init__(self, params: Sequence[Sequence[nn.Parameter]], bucket_bytes: int | None = None,
+    def __init__(self, params: Sequence[Sequence[nn.Parameter]], bucket_bytes: int = BUCKET_BYTES,
                  *, sources: Sequence[torch.Tensor] | None = None, grads: bool = True) -> None:
         self.params = [list(p) for p in params]
-        bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes  # read now: tests
         plan: list[list[int]] = []
         size = 0
         master = list(sources) if sources is not None else self.params[0]
@@ -106,13 +104,6 @@ class FlatBuckets:
                 p.grad = v
         for g in self.grad_flat[d]:
             g.zero_()
-
-    def reduce_global(self, group: dist.ProcessGroup | None = None) -> None:
-        """All-reduce (sum) device 0's gradient buckets across the ranks of ``group``."""
-        # Synchronous calls: gloo threads left holding async works can abort the interpreter
-        # at exit, and with a few large buckets there is little to overlap anyway.
-        for g in self.grad_flat[0]:
-            dist.all_reduce(g, group=group)
 
 
 def add_into(acc: torch.Tensor, others: Sequence[torch.Tensor]) -> None:

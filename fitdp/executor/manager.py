@@ -16,12 +16,11 @@ from fitdp.executor.averaging import average_into, average_replicas
 from fitdp.executor.bound_step import StepMixin, all_reduce
 from fitdp.executor.compile_config import CompileConfig, check_compile
 from fitdp.executor.devices import DevicesArg, resolve_devices
-from fitdp.executor.engines import DDP, FSDP, bind_engine, copy_into, fsdp_replica, whole
-from fitdp.executor.flat_buckets import FlatBuckets
+from fitdp.executor.engine import Engine
 from fitdp.executor.group import DataParallelExecutorGroup
-from fitdp.executor.overlap import cross_rank as overlapped
+from fitdp.executor.local_reduce import LocalReduce
 from fitdp.executor.replica import Compute, LossFn, ModuleLoss
-from fitdp.executor.sharing import bucket_replicas, check_unique_names, device_replicas, hashable
+from fitdp.executor.sharing import bucket_replicas, check_unique_names, hashable
 from fitdp.executor.slicing import device_slices
 from fitdp.executor.workers import DeviceWorkers
 
@@ -55,11 +54,14 @@ class DataParallelExecutorManager(StepMixin):
             ``ModuleLoss(loss)``.
         compile: ``torch.compile`` every executor.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype.
-        distributed: also all-reduce gradients across the default process group; with
-            ``engine`` (``DDP``/``FSDP`` options) through DDP or FSDP2, no flat buckets.
+        distributed: also all-reduce gradients across the default process group (through
+            ``engine``; default: fitdp's own flat buckets, ``LocalReduce``).
         inputs_need_grad: track the inputs' gradients in training (MXNet's bind option), read
             with ``get_input_grads``.
         forward_kwargs: keyword arguments every forward gets (``ModuleLoss``).
+        engine: how the replicas are made and reduce across devices and ranks
+            (``fitdp.executor.engine``; ``fitdp.executor.engines.engine_for`` chooses it
+            for a call). Default: ``LocalReduce(distributed)``.
 
     Example:
         >>> mgr = DataParallelExecutorManager(nn.Linear(4, 2), ["cpu", "cpu"],
@@ -85,7 +87,7 @@ class DataParallelExecutorManager(StepMixin):
         distributed: bool = False,
         inputs_need_grad: bool = False,
         compute: Compute | None = None,
-        engine: DDP | FSDP | None = None,
+        engine: Engine | None = None,
         forward_kwargs: dict[str, Any] | None = None,
     ) -> None:
         checks.check_module(module)
@@ -110,11 +112,8 @@ class DataParallelExecutorManager(StepMixin):
         self.shared_buffers: list[dict[str, tuple[torch.Tensor, tuple[int, ...]]]] = [
             {} for _ in self.devices]
         self.monitor: Any = None
-        # One device: the module itself is the replica. Several: see ``device_replicas``.
-        several = (len(self.devices) > 1 or distributed) and engine is None  # DDP: no buckets
-        sources = [p for p in module.parameters() if p.requires_grad] if several else []
-        replicas = [fsdp_replica(module, self.devices[0], engine, autocast_dtype)] if isinstance(
-            engine, FSDP) else device_replicas(module, self.devices, sources)
+        self.engine = engine if engine is not None else LocalReduce(distributed)
+        replicas = self.engine.replicas(module, self.devices, autocast_dtype)
         self.execgrp = self._group(replicas, default_bucket_key)
         self.groups: dict[Hashable, DataParallelExecutorGroup] = {default_bucket_key: self.execgrp}
         self.curr_execgrp = self.execgrp
@@ -123,12 +122,11 @@ class DataParallelExecutorManager(StepMixin):
         self.trainable = [block[0].requires_grad for block in self.execgrp.param_arrays]
         params = [[row[d] for row, on in zip(self.execgrp.param_arrays, self.trainable) if on]
                   for d in range(len(self.devices))]
-        grads = distributed or any(d.type != "cpu" for d in self.devices)  # see FlatBuckets
-        self.flat = FlatBuckets(params, sources=sources, grads=grads) if sources else None
-        # The cross-rank gradient sum of each step's ``Update`` (None: one process).
-        self.cross_rank: Callable[[], None] | None = bind_engine(
-            engine, self.execgrp.executors[0], params[0]) if engine is not None else \
-            overlapped(self.flat, self.devices, distributed, self._custom)
+        self.flat = self.engine.bind(self.execgrp.executors[0], params)
+        # The engine's cross-rank gradient sum, run by each step's ``Update`` (None: nothing
+        # is left to the step).
+        self.cross_rank: Callable[[], None] | None = \
+            self.engine.reduce if self.engine.reduces else None
         self._init_loads(work_load_list)
         if self._custom:  # replicas that may meet run at once (see ``compute``)
             self._speed_check = None
@@ -290,7 +288,7 @@ class DataParallelExecutorManager(StepMixin):
                     value = src[name]
                     for dst in block:
                         if dst.data_ptr() != value.data_ptr():
-                            copy_into(dst, value)  # (an FSDP2 shard: this rank's part)
+                            self.engine.copy_into(dst, value)
 
     def copy_to(
         self, arg_params: Mapping[str, torch.Tensor], aux_params: Mapping[str, torch.Tensor]
@@ -300,7 +298,7 @@ class DataParallelExecutorManager(StepMixin):
         for names, arrays, dst in self._blocks("copy_to", arg_params, aux_params):
             for name, block in zip(names, arrays):
                 if name in dst:
-                    average_into(dst[name], whole(block))  # (FSDP2: gathered)
+                    average_into(dst[name], self.engine.whole(block))
 
     def sync_buffers(self) -> None:
         """Average every floating buffer (BatchNorm running statistics) over the devices, and
@@ -366,8 +364,9 @@ class DataParallelExecutorManager(StepMixin):
 
     def close(self) -> None:
         """Stop the device threads (idempotent; they also stop when the manager is
-        garbage-collected)."""
+        garbage-collected) and release the engine's hold on the replicas."""
         self.workers.close()
+        self.engine.close()
 
     # -- internals -------------------------------------------------------------------------
 

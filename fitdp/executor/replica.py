@@ -37,7 +37,7 @@ from fitdp.executor.compile_config import (
     compile_replica,
     raise_recompile_limit,
 )
-from fitdp.executor.engines import empty_share
+from fitdp.executor.engine import empty_share
 
 # (outputs, targets) -> scalar mean loss; called (outputs, targets, sample_weight) when the
 # batch carries per-sample weights.
@@ -134,7 +134,8 @@ class Executor:
         )
         self.compiled = bool(compile)
         self.weight: float | torch.Tensor = 1.0  # this slice's share (a custom step reads it)
-        # DDP/FSDP2's module that ``fn`` runs (one device per rank; see executor.engines)
+        # The module an empty share still runs for the step's collectives (set by the
+        # engine's ``bind``: DDP's wrapper, FSDP2's sharded module; see executor.engine)
         self.ranked: nn.Module | None = None
         self.inputs_need_grad = inputs_need_grad
         self.grad_inputs: Any = None  # the inputs autograd tracked (inputs_need_grad)

@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from fitdp.executor.engines import is_shard
+from fitdp.executor.fsdp import is_shard
 
 # torch.distributed.checkpoint is imported by the functions that use it: it costs about 0.8 s,
 # which ``import fitdp`` would otherwise charge every user.
@@ -35,37 +34,6 @@ from fitdp.executor.engines import is_shard
 LATEST = "LATEST"
 SUMS = "checksums.json"  # {"files": {name: [size, CRC-32]}, "crc32": of the files' JSON}
 _CHUNK = 16 << 20  # CRC read size
-
-
-def sharded_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """``{"module": ..., "optimizer": ...}`` keyed by parameter name, each rank's shards
-    (DTensors under FSDP2; whole tensors elsewhere); ``optimizer`` may be None."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    if optimizer is None:
-        model_sd, _ = get_state_dict(module, [])
-        return {"module": model_sd}
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    return {"module": model_sd, "optimizer": optim_sd}
-
-
-def load_sharded_state(module: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
-    """Put ``state`` (as ``sharded_state`` gives it, filled by ``load``) back in place."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    set_state_dict(module, optimizer if optimizer is not None else [],
-                   model_state_dict=state["module"],
-                   optim_state_dict=state.get("optimizer", {}))
-
-
-def full_state(module: nn.Module) -> dict[str, Any]:
-    """The whole module's state on every rank's CPU (gathered from the shards): for
-    ``get_weights`` and ``export``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    model_sd, _ = get_state_dict(module, [], options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True))
-    return model_sd
 
 
 def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
@@ -143,12 +111,11 @@ def latest(folder: str | os.PathLike[str]) -> str | None:
         return None
 
 
-def load(folder: str | os.PathLike[str], state: dict[str, Any], *,
-         each_rank: bool = False) -> int:
-    """Fill ``state`` in place (its tensors' shapes and shardings say what each rank reads)
-    from the checkpoint ``LATEST`` names; returns its step. ``each_rank``: every rank reads
-    the plain tensors of ``state`` whole on its own (no collective). The files are not
-    checked here (a rank reads only its part): ``damaged_file`` checks them all.
+def load(folder: str | os.PathLike[str], state: dict[str, Any]) -> int:
+    """Fill the whole tensors of ``state`` in place from the checkpoint ``LATEST`` names
+    (DCP reshards the ranks' shards into them); returns its step. Every rank that calls it
+    reads on its own (no collective). The files are not checked here: ``damaged_file``
+    checks them all.
 
     Raises:
         FileNotFoundError: no complete checkpoint in ``folder``.
@@ -163,8 +130,7 @@ def load(folder: str | os.PathLike[str], state: dict[str, Any], *,
                                 f"with strategy='fsdp'")
     with warnings.catch_warnings():  # one process is the intent, not a mistake to warn of
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(root / name), no_dist=each_rank or not _grouped(),
-                 process_group=checkpoint_group() if not each_rank else None)
+        dcp.load(state, checkpoint_id=str(root / name), no_dist=True)
     return int(name.removeprefix("step-").split(".")[0])
 
 

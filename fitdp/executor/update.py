@@ -8,8 +8,7 @@ gradients first and whether it ends with a step (``prepare``). Its parts run in 
 - ``zero_device(d)``: device ``d``'s gradients zeroed, on its thread, before its backward
   (``zero``: the batch that starts an optimizer step);
 - ``apply(s)``: shard ``s``'s gradients summed over the devices into device 0's (then across
-  ranks: ``cross_rank``; a ``BucketOverlap``, armed by ``prepare``, has started those sums
-  and all-reduces during backward and is waited for), unscaled and clipped (unsharded only),
+  ranks: ``cross_rank``, the engine's ``reduce``), unscaled and clipped (unsharded only),
   the optimizer step, and device 0's parameters of the shard copied to every other device.
 
 Sharded (several CPU replicas, ``SHARD_MIN_NUMEL`` elements or more, an optimizer of
@@ -40,7 +39,6 @@ from torch import nn
 
 from fitdp.executor import fence
 from fitdp.executor.flat_buckets import FlatBuckets, add_into
-from fitdp.executor.overlap import BucketOverlap
 from fitdp.executor.sharded_step import ShardedStep, param_count
 
 # Below this many trainable elements the whole update runs on device 0's thread: splitting
@@ -62,8 +60,8 @@ class Update:
         shards: threads that share the step (1: one thread does all of it).
         scaler: the ``GradScaler`` of a 16-mixed run, or None.
         clip_norm: max global norm of the gradients, or None.
-        cross_rank: sums device 0's gradient buckets across ranks (the reduction strategy;
-            None: one process).
+        cross_rank: sums device 0's gradients across ranks (the engine's ``reduce``; None:
+            nothing left to the step).
 
     Example:
         >>> a, b = nn.Linear(3, 2), nn.Linear(3, 2)
@@ -82,8 +80,6 @@ class Update:
         self.masters = list(masters)
         self.optimizer, self.scaler, self.clip_norm = optimizer, scaler, clip_norm
         self.cross_rank = cross_rank
-        # Several CPU replicas under ranks: all-reduces started during backward.
-        self.overlap = cross_rank if isinstance(cross_rank, BucketOverlap) else None
         self.devices = len(flat.params) if flat is not None else 1
         self.shards = max(1, min(shards, self.devices))
         self.size = param_count(optimizer) if optimizer is not None else 0
@@ -161,8 +157,6 @@ class Update:
         Returns whether it steps (``stepping``)."""
         self.zero = zero
         stepping = self.stepping = step and self.optimizer is not None
-        if self.overlap is not None:
-            self.overlap.arm(stepping)
         if stepping and self.shards > 1:
             for event in self.arrived:
                 event.clear()
@@ -231,10 +225,6 @@ class Update:
         """Shard ``s``'s gradients of every device summed into device 0's (then across the
         ranks); the other devices' are zeroed (or dropped), so each backward counts once
         however often the reduce is asked."""
-        overlap = self.overlap
-        if overlap is not None and overlap.armed:
-            overlap.finish()  # the sums and all-reduces backward has not started, then all
-            return
         if self.flat is None:
             pass  # one replica: nothing to add
         elif not self.flat.grads:

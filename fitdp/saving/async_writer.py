@@ -168,8 +168,8 @@ class AsyncCheckpointWriter:
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
-    """The data pointer of ``t``'s storage; None for a wrapper subclass without one (an
-    FSDP2 shard's ``DTensor``: its state is copied inside ``submit``, as before)."""
+    """The data pointer of ``t``'s storage; None for a wrapper subclass without one (a
+    sharded engine's shard: its state is copied inside ``submit``, as before)."""
     try:
         return t.untyped_storage().data_ptr()
     except RuntimeError:

@@ -14,8 +14,7 @@ import torch
 from fitdp._version import __version__
 from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.optimizers import optimizer_kind_problem
-from fitdp.executor.engines import reshard_state, whole_state
-from fitdp.executor.sharded_io import is_shard
+from fitdp.executor.fsdp import is_shard, reshard_state, whole_state
 from fitdp.saving.checkpoint import (
     CheckpointError,
     capture_rng_state,

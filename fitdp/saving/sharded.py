@@ -118,7 +118,7 @@ def load_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
     rest = load_checkpoint(os.path.join(path, name, REST))
     shards: dict[str, torch.Tensor] = {}
     _collect(rest, shards)
-    sharded_io.load(path, shards, each_rank=True)
+    sharded_io.load(path, shards)
     return _join(rest, shards)
 
 

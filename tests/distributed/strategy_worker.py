@@ -3,8 +3,7 @@ strategy and setup, rank 0's weights saved for the test to compare with one proc
 
 Usage: torchrun ... strategy_worker.py OUT_DIR STRATEGY[,STRATEGY...]
 ("fsdp-blocks": fitdp.FSDP(blocks=(nn.Linear,)), each Linear sharded on its own; "hybrid":
-two CPU replicas per rank, all-reduces overlapped with backward; "hybrid-after": the same with
-the all-reduce after backward, as before the overlap)
+two CPU replicas per rank, fitdp's own flat buckets all-reduced after backward)
 """
 
 from __future__ import annotations
@@ -19,7 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fitdp
-from fitdp.executor import engines, flat_buckets, overlap
+from fitdp.call import replicas
+from fitdp.executor.local_reduce import LocalReduce
 
 OUT, STRATEGIES = sys.argv[1], sys.argv[2].split(",")
 RANK = int(os.environ["RANK"])
@@ -28,22 +28,21 @@ torch.set_num_threads(1)
 SETUPS = [("sgd", "sgd", 1, None, "32"), ("adamw", "adamw", 2, 0.05, "bf16-mixed"),
           ("adamw32", "adamw", 3, 0.05, "32")]
 OPTIONS = {"fsdp-blocks": fitdp.FSDP(blocks=(nn.Linear,))}
-bound: list[str] = []
+chosen: list[str] = []  # the engine of each call's replicas
 alive: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every DDP wrapper fit made
 sharded: list[int] = []  # FSDP2: the DTensor parameters of each replica fit sharded
-for name in ("wrap_ddp", "shard_fsdp"):  # count the engines fit binds
-    real = getattr(engines, name)
+engine_for = replicas.engine_for
 
-    def counted(*args, _real=real, _name=name, **kwargs):
-        bound.append(_name)
-        wrapper = _real(*args, **kwargs)
-        if _name == "wrap_ddp":
-            alive.add(wrapper)
-        else:  # the sharded modules, root last
-            sharded.append(sum(isinstance(p, DTensor) for p in wrapper[-1].parameters()))
-        return wrapper
 
-    setattr(engines, name, counted)
+def counted(*args, **kwargs):
+    engine = engine_for(*args, **kwargs)
+    chosen.append(type(engine).__name__)
+    if isinstance(engine, LocalReduce):
+        engine.bucket_bytes = 512  # three buckets ([w1], [b1, w2], [b2]) of different sizes
+    return engine
+
+
+replicas.engine_for = counted
 teardown = dist.destroy_process_group
 
 
@@ -62,11 +61,8 @@ def data(n: int = 44) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
 
 
-flat_buckets.BUCKET_BYTES = 512  # three buckets ([w1], [b1, w2], [b2]) of different sizes
-early = 0  # hybrid: buckets whose all-reduce started during backward
 for strategy in STRATEGIES:
-    hybrid = strategy.startswith("hybrid")
-    overlap.OVERLAP = strategy == "hybrid"
+    hybrid = strategy == "hybrid"
     # hybrid: 41 rows, the last global batch 1 row: rank 1's share and rank 0's device 1's
     # are empty, and the epoch's last step (accumulating) is taken after its batches
     x, y = data(41 if hybrid else 44)
@@ -80,14 +76,19 @@ for strategy in STRATEGIES:
         # 44 rows, 5 per rank: the last global batch has 4 rows (2 and 2)
         model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
                   devices=["cpu", "cpu"] if hybrid else "auto")
-        reduce = model._replicas.manager.cross_rank if hybrid else None
-        early += getattr(reduce, "early", 0)
+        engine = model._replicas.manager.engine
+        if strategy == "ddp":
+            alive.add(engine.wrapper)
+        elif strategy.startswith("fsdp"):
+            lead = model._replicas.manager.execgrp.executors[0].module
+            sharded.append(sum(isinstance(p, DTensor) for p in lead.parameters()))
+        else:
+            assert len(engine.flat.plan) == 3, engine.flat.plan
         if RANK == 0:  # rank 0 alone: fit's end gathered the shards (FSDP2) on every rank
             torch.save(model.get_weights(), os.path.join(OUT, f"{strategy}-{name}.pt"))
         states = [v for st in model._trainer.optimizer.state.values() for v in st.values()]
         if strategy.startswith("fsdp") and name == "adamw32":  # Adam's moments: shards
             print(f"rank {RANK} {strategy} optimizer state in shards: "
                   f"{sum(isinstance(v, DTensor) for v in states)} of {len(states)}", flush=True)
-print(f"rank {RANK} bound {sorted(set(bound))} {len(bound)} times", flush=True)
+print(f"rank {RANK} engines {sorted(set(chosen))} chosen {len(chosen)} times", flush=True)
 print(f"rank {RANK} sharded parameters per replica {sharded}", flush=True)
-print(f"rank {RANK} buckets launched in backward: {early > 0}", flush=True)

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 MODULES = ["balance", "flat_buckets", "group", "interrupts", "manager",
-           "per_replica", "replica", "sharded_step", "slicing", "update", "workers"]
+           "per_replica", "replica", "sharded_step", "slicing", "update", "workers",
+           "local_reduce", "ddp", "fsdp"]
 
 
 @pytest.mark.parametrize("name", MODULES)

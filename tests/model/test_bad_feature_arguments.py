@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fitdp
+from fitdp import DDP, FSDP
 from fitdp.compiled.optimizers import OPTIMIZERS
 from fitdp.compiled.setup import PRECISIONS
-from fitdp.executor.engines import DDP, FSDP, STRATEGIES
+from fitdp.executor.engines import STRATEGIES
 
 SEQS = [torch.randint(1, 9, (n,), generator=torch.Generator().manual_seed(n))
         for n in [2, 3, 4] * 4]
