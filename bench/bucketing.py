@@ -2,6 +2,7 @@
 
 Run: python bench/bucketing.py [--quick] [--epochs 5] [--no-memory] [--json out]
      python bench/bucketing.py --fit-cost     (fit the step-time model of automatic buckets)
+     python bench/bucketing.py --compile      (compile=True with buckets: cold, warm cache)
 
 A GRU classifier (Embedding 1000x64, GRU 64 hidden, a head on the last valid step) on 4,000
 sequences with log-normal lengths in [4, 256] (mean about 40), batch 32, Adam, one thread:
@@ -21,7 +22,9 @@ bucket alone, each in a fresh process (median of 5): peak RSS, and the part trai
 ``--fit-cost`` times one step of the GRU on rows 1..32 x widths 4..256 and fits the model
 automatic buckets minimise, ``fixed + per_timestep * width + per_token * rows * width`` ms
 (``fitdp.data.bucketing.GRU_CPU_STEP_COST`` holds the result), by least squares on the
-relative error.
+relative error. ``--compile`` trains a token tagger (no RNN: dynamo does not trace
+``nn.GRU``) on 160 sequences in 4 buckets, eager and ``compile=True``, each mode in a fresh
+process sharing one inductor cache: the first fit (cold, then warm cache) and a steady step.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -204,15 +208,60 @@ def fit_cost(rounds: int = 7) -> None:
               f"{np.median(err):.1%}, worst {err.max():.1%}")
 
 
+class Tagger(nn.Module):
+    """A token tagger without an RNN (dynamo does not trace ``nn.GRU``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=0)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mix(self.emb(tokens)))).transpose(1, 2)
+
+
+def compile_cost(mode: str) -> None:
+    """One mode's first fit (it compiles) and second fit (the steady state): one row."""
+    pin_threads()
+    torch.manual_seed(0)
+    seqs = [torch.randint(1, 50, (int(n),)) for n in torch.randint(3, 30, (160,))]
+    it = fitdp.BucketIterator(seqs, [s % 3 for s in seqs], batch_size=16,
+                              buckets=[8, 16, 24, 30], seed=0)
+    model = fitdp.Model(Tagger())
+    model.compile(optimizer="adam", loss="cross_entropy", compile=mode != "eager")
+    seconds = []
+    for _ in range(2):
+        t = time.perf_counter()
+        model.fit(it, devices=["cpu"], verbose=0)
+        seconds.append(time.perf_counter() - t)
+    print(f"| {mode:<5} | {len(it)} | {seconds[0]:8.2f} | {seconds[1] / len(it) * 1e3:7.2f} |")
+
+
+def compile_modes() -> None:
+    """Eager, compiled with a cold inductor cache, then with it warm: each a fresh process
+    on the same ``TORCHINDUCTOR_CACHE_DIR``."""
+    print("| mode  | steps | first fit s | steady ms/step |\n|---|---|---|---|", flush=True)
+    with tempfile.TemporaryDirectory() as cache:
+        for mode in ("eager", "cold", "warm"):
+            subprocess.run([sys.executable, __file__, "--compile-child", mode], check=True,
+                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}, timeout=900)
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--epochs", type=int, default=5, help="epochs timed per strategy")
     p.add_argument("--no-memory", action="store_true", help="the speed comparison only")
     p.add_argument("--fit-cost", action="store_true", help="fit the step-time model, then exit")
+    p.add_argument("--compile", action="store_true",
+                   help="what compile=True costs with buckets (cold and warm cache), then exit")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
+    p.add_argument("--compile-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.fit_cost:
         return fit_cost()
+    if args.compile or args.compile_child:
+        return compile_cost(args.compile_child) if args.compile_child else compile_modes()
     n, epochs = (800, 1) if args.quick else (N, args.epochs)  # 800: still 20 distinct buckets
     if args.memory_child:
         return print(json.dumps(memory(args.memory_child, n, 2)))

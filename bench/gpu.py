@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,7 +136,7 @@ def speed(p: Part) -> None:
 
 
 def count_syncs(p: Part, steps: int, devices: list[str], on_device: bool,
-                **compile_args: Any) -> int:
+                compile_args: dict[str, Any], fit_args: dict[str, Any]) -> int:
     """Host syncs in one fit of ``steps`` steps (after a warm-up fit), no log point inside."""
     sizes, bs = ([784, 512, 512, 10], 256) if p.cuda else ([16, 32, 4], 8)
     x, y = synthetic(bs * steps, sizes[0], sizes[-1])
@@ -142,13 +144,14 @@ def count_syncs(p: Part, steps: int, devices: list[str], on_device: bool,
         x, y = x.to(p.device), y.to(p.device)
     model = fitdp.Model(mlp(sizes).to(p.device))
     model.compile(**{"optimizer": "adam", "loss": "cross_entropy", **compile_args})
-    model.fit(x, y, batch_size=bs, devices=devices, verbose=0)
+    model.fit(x, y, batch_size=bs, devices=devices, verbose=0, **fit_args)
     with warnings.catch_warnings(record=True) as seen:  # every thread's warnings
         warnings.simplefilter("always")
         if p.cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            model.fit(x, y, batch_size=bs, devices=devices, verbose=0, log_every=10**9)
+            model.fit(x, y, batch_size=bs, devices=devices, verbose=0, log_every=10**9,
+                      **fit_args)
         finally:
             if p.cuda:
                 torch.cuda.set_sync_debug_mode("default")
@@ -160,33 +163,50 @@ def syncs(p: Part) -> None:
 
     d, classes = p.device, 10 if p.cuda else 4
     micro = MulticlassAccuracy(classes, average="micro", validate_args=False)
-    variants: list[tuple[str, list[str], bool, dict[str, Any], float | None]] = [
-        ("1 device", [d], True, {}, 0.0),
-        ("1 device, data on the host", [d], False, {}, 0.0),
-        ("2 replicas on one device", [d, d], True, {}, 0.0),
-        ("bf16-mixed", [d], True, {"precision": "bf16-mixed"}, 0.0),
-        ("micro accuracy, validate_args=False", [d], True, {"metrics": [micro]}, 0.0),
+    # label, devices, data on the device, compile's and fit's arguments, target (None: none)
+    variants: list[tuple[str, list[str], bool, dict[str, Any], dict[str, Any], float | None]] = [
+        ("1 device", [d], True, {}, {}, 0.0),
+        ("1 device, data on the host", [d], False, {}, {}, 0.0),
+        ("2 replicas on one device", [d, d], True, {}, {}, 0.0),
+        ("2 replicas, work_load_list='auto'", [d, d], True, {}, {"work_load_list": "auto"}, 0.0),
+        ("bf16-mixed", [d], True, {"precision": "bf16-mixed"}, {}, 0.0),
+        ("micro accuracy, validate_args=False", [d], True, {"metrics": [micro]}, {}, 0.0),
         ("MulticlassAccuracy(n), its defaults", [d], True,
-         {"metrics": [MulticlassAccuracy(classes)]}, None),
+         {"metrics": [MulticlassAccuracy(classes)]}, {}, None),
     ]
     if p.cuda:
-        variants += [("16-mixed, fused Adam", [d], True, {"precision": "16-mixed"}, 0.0),
+        variants += [("16-mixed, fused Adam", [d], True, {"precision": "16-mixed"}, {}, 0.0),
                      ("16-mixed, a user's unfused Adam", [d], True, {
                          "precision": "16-mixed",
-                         "optimizer": lambda ps: torch.optim.Adam(ps, lr=1e-3)}, None)]
+                         "optimizer": lambda ps: torch.optim.Adam(ps, lr=1e-3)}, {}, None)]
     if not p.cuda:  # nothing to count on the CPU: a dry run checks that the counting runs
-        variants = variants[::len(variants) - 1]
-    for label, devices, on_device, args, target in variants:
+        variants = [variants[0], variants[3], variants[-1]]
+    for label, devices, on_device, args, fit_args, target in variants:
         def one(label: str = label, devices: list[str] = devices, on_device: bool = on_device,
-                args: dict[str, Any] = args, target: float | None = target) -> None:
+                args: dict[str, Any] = args, fit_args: dict[str, Any] = fit_args,
+                target: float | None = target) -> None:
             n1, n2 = (20, 60) if p.cuda else (3, 6)
-            per_step = (count_syncs(p, n2, devices, on_device, **args)
-                        - count_syncs(p, n1, devices, on_device, **args)) / (n2 - n1)
+            per_step = (count_syncs(p, n2, devices, on_device, args, fit_args)
+                        - count_syncs(p, n1, devices, on_device, args, fit_args)) / (n2 - n1)
             p.out.row("syncs", f"host syncs per step, {label}", "none", 0.0, per_step,
                       "syncs", per_step, "<=", target if p.cuda else None,
                       "" if p.cuda else "n/a on the CPU")
 
         p.attempt(label, one)
+
+
+class HostClock(fitdp.callbacks.Callback):
+    """Host seconds from each training batch's begin hook to its end hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: list[float] = []
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, float] | None = None) -> None:
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
+        self.seconds.append(time.perf_counter() - self.t0)
 
 
 def replicas(p: Part) -> None:
@@ -215,8 +235,30 @@ def replicas(p: Part) -> None:
                   ms(times["two"]), "ms/step", ms(times["one"]) / ms(times["two"]),
                   note="ratio: speed")
 
+    def host_time() -> None:
+        """Host time from each batch's begin hook to its end hook (nothing waits for the GPU
+        between log points) against the step's wall time: near it, the GPU waits for the
+        host, and streams of their own per replica could not make two replicas faster."""
+        for devices in ([d], [d, d]):
+            model = fitdp.Model(mlp([128, 256, 256, 10]).to(d))
+            model.compile(optimizer="adam", loss="cross_entropy")
+            xs, ys = synthetic(64 * steps, 128, 10)
+            xs, ys = xs.to(d), ys.to(d)
+            model.fit(xs, ys, batch_size=64, devices=devices, verbose=0)  # warm-up
+            clock = HostClock()
+            p.sync()
+            t = time.perf_counter()
+            model.fit(xs, ys, batch_size=64, devices=devices, verbose=0, log_every=10**9,
+                      callbacks=[clock])
+            p.sync()
+            wall = (time.perf_counter() - t) / steps * 1e3
+            p.out.row("replicas", f"host time per step, {len(devices)} replica(s), small MLP",
+                      "the step's wall time", wall, ms(clock.seconds[1:-1] or clock.seconds),
+                      "ms")
+
     p.attempt("replicas agree", agree)
     p.attempt("replicas timing", timing)
+    p.attempt("replicas host time", host_time)
 
 
 def precision(p: Part) -> None:
@@ -389,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
               "it on a GPU machine, or check the script on the CPU with --quick.")
         return 2
     info = machine()
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        info["triton"] = importlib.metadata.version("triton")
+    info["c compiler (Triton's launcher)"] = shutil.which(os.environ.get("CC", "cc")) or "none"
     if not args.quick:
         props = torch.cuda.get_device_properties(torch.device(device))
         info.update(gpu=props.name, cuda=torch.version.cuda,
@@ -413,12 +458,15 @@ def main(argv: list[str] | None = None) -> int:
                 parts[name] = run_child(name, device, folder)
     Path(args.json).write_text(json.dumps({"machine": info, "parts": parts}, indent=1,
                                           default=str))
-    print(f"\n{'part':<10} {'case':<70} {'value':>10} {'verdict':>7}")
+    print(f"\n{'part':<9} {'case':<64} {'value':>16} {'ratio':>7} {'target':>7} verdict")
     for name, part in parts.items():
         if part["status"] != "ok":
-            print(f"{name:<10} {'(the part) ' + part['status']:<70} {'':>10} {'FAILED':>7}")
+            print(f"{name:<9} {'(the part) ' + part['status']:<64} {'FAILED':>40}")
         for r in part["rows"]:
-            print(f"{name:<10} {r['case'][:70]:<70} {r['value']:>10.4g} {r['verdict']:>7}")
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+            target = "" if r["target"] is None else f"{r['op']} {r['target']:g}"
+            print(f"{name:<9} {r['case'][:64]:<64} {r['value']:>9.4g} {r['unit'][:6]:<6} "
+                  f"{ratio:>7} {target:>7} {r['verdict']}")
     print(f"numbers in {args.json}")
     failed = any(part["status"] != "ok" or any(r["note"] == "FAILED" for r in part["rows"])
                  or (name == "tier" and any(r["value"] for r in part["rows"]))
