@@ -170,8 +170,8 @@ def page(command: str, when: str, results: dict[str, dict[str, Any]], quick: boo
             "python -m bench --gpu --json gpu.json # the GPU checks (bench/gpu.py)",
             "python tools/instructions.py          # instructions per step (valgrind)",
             "python tools/bytecodes.py             # Python bytecodes per step, by function",
-            "```", "", "Every script takes `--quick` (seconds), `--repeats N` and `--json "
-            "FILE`; `--help` lists its sections.",
+            "```", "", "Every script takes `--quick` (seconds) and `--json FILE`, the timed "
+            "ones `--repeats N` too; `--help` lists a script's sections.",
             "", "## Machine", "", "| | |", "|---|---|",
             *(f"| {k} | {v} |" for k, v in machine.items()), "", "## Summary", ""]
     held = [r for r in (dict(row, script=n) for n, d in results.items() for row in d["rows"])
