@@ -1,183 +1,292 @@
-"""fitdp's per-step overhead against a hand-written loop, and CPU replicas against theirs.
+"""What ``Model.fit`` costs over the loop a user writes by hand, per training step, one thread.
 
-Run: python bench/overhead.py [--repeats 7] [--device cpu|cuda:0] [--json out.json] [--quick]
+Run: python bench/overhead.py [--quick] [--repeats 7] [--sections mlp,cnn,...] [--json out]
 
-Each case times, in the same run, ``Model.fit`` and a hand loop over pre-shuffled tensor
-slices (same model, data, optimizer and step count, one thread), interleaved, and reports
-the median time per step of each and their ratio. Then two-replica scaling, and (CPU) the
-cases of bench/replicas.py: two replicas against a hand-written two-thread loop, and
-``work_load_list="auto"`` against the equal split with one replica at half speed.
+Sections (all by default):
+  mlp            the tiny MLP 32-64-64-10 (batch 32) and the MLP 784-512-512-10 (batch 256)
+                 against the floor loop (``common.hand_loop``: pre-shuffled slices, Adam)
+  custom         a subclass's own ``train_step`` against the built-in step (784-512-512)
+  cnn            a small CNN on 28x28 images (batch 64) against the hand loop
+  transformer    a tiny BERT classifier (Hugging Face, from a config) trained on a dict of
+                 tensors with its own loss against ``model(**batch).loss.backward()``
+  keras          Keras 3's ``model.fit`` (torch backend) on the two MLPs against the same
+                 hand loop, when keras is installed (a peer, not a target)
+  import         what ``import fitdp`` adds to ``import torch, torchmetrics`` in a fresh
+                 interpreter (CPU time; target: at most 0.3 s)
+  ema            ``fit`` with the ``EMA`` callback against without (784-512-512)
+  checkpointing  peak memory and step time of ``compile(activation_checkpointing=[block])``
+                 against the same fit without, for a transformer encoder and a BERT
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from common import (
+    ROOT,
+    Loop,
+    Results,
+    fitdp_loop,
+    hand_loop,
+    interleave,
+    mlp,
+    ms,
+    paired,
+    parser,
+    pin_threads,
+)
 from torch import nn
-from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fitdp
-import replicas  # noqa: E402  (bench/ is sys.path[0])
+import fitdp
 
-import fitdp  # noqa: E402
-
-
-def mlp(sizes: list[int]) -> nn.Module:
-    layers: list[nn.Module] = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
-
-
-Loop = Callable[[], None]
-TARGETS = {"tiny": 1.05, "wide": 1.01, "custom": 1.05}  # fitdp / reference per step, at most
+SECTIONS = ("mlp", "custom", "cnn", "transformer", "keras", "import", "ema", "checkpointing")
+TINY, WIDE = ([32, 64, 64, 10], 32, 200), ([784, 512, 512, 10], 256, 20)  # sizes, batch, steps
 
 
 class OwnStep(fitdp.Model):
-    """A subclass with its own train_step (Keras's guide's first example): what a custom
-    step costs over the built-in one."""
+    """Keras's guide's first custom step: what an overridden train_step costs."""
 
     def train_step(self, data: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = data
         return self.compute_loss(x, y, self(x, training=True))
 
 
-def hand_loop(net: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int, device: str) -> Loop:
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-    net.to(device)
-    x, y = x.to(device), y.to(device)
+def versus(out: Results, section: str, case: str, loops: dict[str, Loop], steps: int,
+           repeats: int, target: float | None, reference: str = "hand loop") -> None:
+    """Time ``loops`` ("fitdp" first, the reference second) and add their row."""
+    times = interleave(loops, steps, repeats)
+    a, b = list(loops)
+    out.row(section, case, reference, ms(times[b]), ms(times[a]), "ms/step",
+            paired(times, a, b), "<=" if target else "", target)
 
-    def epoch() -> None:
-        perm = torch.randperm(len(x), device=device)
-        xs, ys = x[perm], y[perm]
-        for i in range(0, len(x), bs):
+
+def mlps(out: Results, steps: Callable[[int], int], repeats: int) -> None:
+    for (sizes, bs, n), target in ((TINY, 1.10), (WIDE, 1.02)):
+        x = torch.randn(bs * steps(n), sizes[0])
+        y = torch.randint(0, 10, (len(x),))
+        net = mlp(sizes)
+        versus(out, "mlp", f"MLP {'-'.join(map(str, sizes))}, batch {bs}",
+               {"fitdp": fitdp_loop(copy.deepcopy(net), x, y, bs, ["cpu"]),
+                "hand": hand_loop(copy.deepcopy(net), x, y, bs)}, steps(n), repeats, target,
+               "floor loop")
+
+
+def custom(out: Results, steps: Callable[[int], int], repeats: int) -> None:
+    sizes, bs, n = WIDE
+    x, y = torch.randn(bs * steps(n), sizes[0]), torch.randint(0, 10, (bs * steps(n),))
+    net = mlp(sizes)
+    versus(out, "custom", "own train_step, MLP 784-512-512-10",
+           {"own": fitdp_loop(copy.deepcopy(net), x, y, bs, ["cpu"], OwnStep),
+            "built-in": fitdp_loop(copy.deepcopy(net), x, y, bs, ["cpu"])}, steps(n), repeats,
+           1.05, "built-in step")
+
+
+def cnn(out: Results, steps: Callable[[int], int], repeats: int) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Flatten(), nn.Linear(32 * 7 * 7, 10))
+    bs, n = 64, steps(20)
+    x, y = torch.randn(bs * n, 1, 28, 28), torch.randint(0, 10, (bs * n,))
+    versus(out, "cnn", "CNN 2 conv + linear, 28x28, batch 64",
+           {"fitdp": fitdp_loop(copy.deepcopy(net), x, y, bs, ["cpu"]),
+            "hand": hand_loop(copy.deepcopy(net), x, y, bs)}, n, repeats, 1.03)
+
+
+def bert(layers: int = 2, width: int = 32, seq: int = 64, checkpointing: bool = False
+         ) -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    net = BertForSequenceClassification(BertConfig(
+        vocab_size=100, hidden_size=width, num_hidden_layers=layers, num_attention_heads=2,
+        intermediate_size=4 * width, max_position_embeddings=seq, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    if checkpointing:
+        net.gradient_checkpointing_enable()
+    return net
+
+
+def transformer(out: Results, steps: Callable[[int], int], repeats: int) -> None:
+    bs, n = 32, steps(16)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 100, (bs * n, 16), generator=g)
+    lengths = torch.randint(2, 17, (bs * n,), generator=g)
+    mask = (torch.arange(16) < lengths[:, None]).long()
+    data = {"input_ids": ids * mask, "attention_mask": mask,
+            "labels": torch.randint(0, 3, (bs * n,), generator=g)}
+    batches = [{k: v[i:i + bs] for k, v in data.items()} for i in range(0, bs * n, bs)]
+    net = bert()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def hand() -> None:
+        for batch in batches:
             opt.zero_grad()
-            F.cross_entropy(net(xs[i:i + bs]), ys[i:i + bs]).backward()
+            net(**batch).loss.backward()
             opt.step()
 
-    return epoch
+    model = fitdp.Model(bert())
+    model.compile("adamw", lr=1e-3, loss=None)
+    versus(out, "transformer", "tiny BERT classifier (Hugging Face), batch 32",
+           {"fitdp": lambda: model.fit(data, batch_size=bs, shuffle=False, devices=["cpu"],
+                                       verbose=0), "hand": hand}, n, repeats, 1.03)
 
 
-def fitdp_loop(
-    net: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int, devices: list[str],
-    cls: type[fitdp.Model] = fitdp.Model,
-) -> Loop:
-    model = cls(net)
-    model.compile(optimizer="adam", lr=1e-3, loss="cross_entropy")
-    if devices[0].startswith("cuda"):
-        x, y = x.to(devices[0]), y.to(devices[0])
-
-    def epoch() -> None:
-        model.fit(x, y, batch_size=bs, epochs=1, devices=devices, verbose=0)
-
-    return epoch
-
-
-def timed(fn: Loop, sync: bool, clock: Callable[[], float]) -> float:
-    if sync:
-        torch.cuda.synchronize()
-    t = clock()
-    fn()
-    if sync:
-        torch.cuda.synchronize()
-    return clock() - t
+def keras_peer(out: Results, steps: Callable[[int], int], repeats: int) -> None:
+    os.environ["KERAS_BACKEND"] = "torch"  # read once, when keras is first imported
+    try:
+        import keras  # noqa: PLC0415
+    except ImportError:
+        print("  keras is not installed: no peer rows")
+        return
+    for sizes, bs, n in (TINY, WIDE):
+        x = torch.randn(bs * steps(n), sizes[0])
+        y = torch.randint(0, 10, (len(x),))
+        layers = [keras.layers.Dense(k, activation="relu") for k in sizes[1:-1]]
+        peer = keras.Sequential([keras.Input((sizes[0],)), *layers,
+                                 keras.layers.Dense(sizes[-1])])
+        peer.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=False,
+                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        versus(out, "keras", f"Keras {keras.__version__} fit, MLP {'-'.join(map(str, sizes))}",
+               {"keras": lambda p=peer, x=x, y=y, bs=bs: p.fit(x, y, batch_size=bs, epochs=1,
+                                                               verbose=0),
+                "hand": hand_loop(mlp(sizes), x, y, bs)}, steps(n), repeats, None)
 
 
-def compare(name: str, a: Loop, b: Loop, steps: int, repeats: int, sync: bool,
-            clock: str = "cpu") -> dict[str, float | str]:
-    """Median seconds per step of ``a`` and ``b``, interleaved so noise hits both alike.
+IMPORTS = """import time
+import torch, torchmetrics
+base = time.process_time()
+import fitdp
+print(base, time.process_time() - base)"""
 
-    ``clock="cpu"``: this process's CPU time, for single-threaded runs on a shared machine
-    (time spent waiting for a core does not count); ``"wall"``: for the multi-thread case.
-    """
-    tick = time.process_time if clock == "cpu" and not sync else time.perf_counter
-    for fn in (a, b):  # warm up
-        fn()
-    ta, tb = [], []
-    for _ in range(repeats):
-        ta.append(timed(a, sync, tick) / steps)
-        tb.append(timed(b, sync, tick) / steps)
-    ma, mb = statistics.median(ta), statistics.median(tb)
-    print(f"{name:<46} {ma * 1e3:9.3f} ms  {mb * 1e3:9.3f} ms  ratio {ma / mb:6.3f}  ({clock})")
-    return {"a_ms": ma * 1e3, "b_ms": mb * 1e3, "ratio": ma / mb, "clock": clock}
+
+def import_time(out: Results, rounds: int) -> None:
+    """In fresh interpreters: the CPU time up to ``import torch, torchmetrics`` (start-up
+    included), then what ``import fitdp`` adds; medians of ``rounds``."""
+    got = [[float(v) for v in subprocess.run(
+        [sys.executable, "-c", IMPORTS], cwd=ROOT, check=True, capture_output=True,
+        text=True).stdout.split()] for _ in range(rounds)]
+    base, extra = (statistics.median(g[k] for g in got) for k in (0, 1))
+    out.row("import", "import fitdp on top of torch + torchmetrics (s, CPU)",
+            "import torch, torchmetrics", base, base + extra, "s", extra, "<=", 0.3,
+            "ratio: the seconds fitdp adds")
+
+
+def ema(out: Results, steps: Callable[[int], int], repeats: int) -> None:
+    sizes, bs, n = WIDE
+    x, y = torch.randn(bs * steps(n), sizes[0]), torch.randint(0, 10, (bs * steps(n),))
+    net = mlp(sizes)
+    with_ema = fitdp_loop(copy.deepcopy(net), x, y, bs, ["cpu"],
+                          callbacks=[fitdp.callbacks.EMA(decay=0.999)])
+    versus(out, "ema", "EMA(decay=0.999), MLP 784-512-512-10",
+           {"ema": with_ema, "plain": fitdp_loop(copy.deepcopy(net), x, y, bs, ["cpu"])},
+           steps(n), repeats, 1.03, "fit without EMA")
+
+
+def peak_and_step(make: Callable[[], nn.Module], blocks: list[type[nn.Module]] | None,
+                  x: torch.Tensor, y: torch.Tensor, bs: int) -> tuple[float, float]:
+    """(MiB allocated at most during a fit above its start, seconds per step): the CPU
+    allocator's running total from torch.profiler's memory events."""
+    model = fitdp.Model(make())
+    model.compile("adamw", "cross_entropy", activation_checkpointing=blocks)
+    fit: dict[str, Any] = {"batch_size": bs, "shuffle": False, "verbose": 0, "devices": ["cpu"]}
+    model.fit(x[:bs], y[:bs], **fit)  # the weights' and the optimizer's state exist
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        model.fit(x, y, **fit)
+    with tempfile.TemporaryDirectory() as folder:
+        prof.export_chrome_trace(f"{folder}/trace.json")
+        events = json.loads(Path(f"{folder}/trace.json").read_text())["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    start = time.perf_counter()
+    model.fit(x, y, **fit)
+    return (max(totals) - totals[0]) / 2**20, (time.perf_counter() - start) / (len(x) // bs)
+
+
+class Bert(nn.Module):
+    """A BERT classifier taking input_ids, returning logits (for a compile loss)."""
+
+    def __init__(self, width: int, seq: int, own: bool) -> None:
+        super().__init__()
+        self.bert = bert(2, width, seq, checkpointing=own)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids).logits
+
+
+def checkpointing(out: Results, quick: bool) -> None:
+    width, seq, bs = (64, 32, 8) if quick else (256, 128, 16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * bs, seq, width, generator=g)
+    ids = torch.randint(1, 100, (2 * bs, seq), generator=g)
+    y = torch.randint(0, 3, (2 * bs,), generator=g)
+
+    def encoder() -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+        return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                             nn.Flatten(), nn.Linear(width * seq, 3))
+
+    from transformers.models.bert.modeling_bert import BertLayer  # noqa: PLC0415
+
+    shape = f"2 layers, width {width}, sequence {seq}, batch {bs}"
+    cases = [(f"nn.TransformerEncoder ({shape})", encoder, [nn.TransformerEncoderLayer], x),
+             (f"BERT ({shape})", lambda: Bert(width, seq, False), [BertLayer], ids),
+             (f"BERT ({shape}), its own gradient_checkpointing_enable()",
+              lambda: Bert(width, seq, True), None, ids)]
+    plain: tuple[float, float] = (0.0, 0.0)
+    for case, make, blocks, inputs in cases:
+        if blocks is not None:  # the same model without checkpointing is the reference
+            plain = peak_and_step(make, None, inputs, y, bs)
+        saved = peak_and_step(make, blocks, inputs, y, bs)
+        out.row("checkpointing", f"peak MiB, {case}", "without", plain[0], saved[0], "MiB",
+                note=f"step {saved[1] / plain[1]:.2f}x the time")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: 1 repeat, a fifth of the steps (as replicas.py)")
-    args = parser.parse_args()
-    if args.quick:
-        args.repeats = 1
+    p = parser(__doc__)
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated sections")
+    args = p.parse_args()
+    chosen = args.sections.split(",")
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown:
+        p.error(f"--sections got {sorted(unknown)}; expected some of {','.join(SECTIONS)}")
+    repeats = 1 if args.quick else args.repeats
 
     def steps(n: int) -> int:  # a quick run checks that each case runs, not its timing
-        return max(2, n // 5) if args.quick else n
+        return max(2, n // 10) if args.quick else n
 
-    torch.set_num_threads(1)
-    load = os.getloadavg()
-    sync = args.device.startswith("cuda")
-    results: dict[str, dict[str, float | str]] = {}
-    print(f"{'case (fitdp vs hand loop)':<46} {'fitdp':>12}  {'hand':>12}")
-    for name, sizes, bs, n in [
-        ("tiny MLP 32-64-64-10, batch 32", [32, 64, 64, 10], 32, 32 * steps(200)),
-        ("MLP 784-512-512-10, batch 256", [784, 512, 512, 10], 256, 256 * steps(20)),
-    ]:
-        torch.manual_seed(0)
-        x, y = torch.randn(n, sizes[0]), torch.randint(0, 10, (n,))
-        net = mlp(sizes)
-        results[name] = compare(
-            name, fitdp_loop(copy.deepcopy(net), x, y, bs, [args.device]),
-            hand_loop(copy.deepcopy(net), x, y, bs, args.device), n // bs, args.repeats, sync,
-        )
-    # An overridden train_step against the built-in step, same model and data.
-    name = "own train_step / built-in, 784-512-512-10, b256"
-    torch.manual_seed(0)
-    n, bs = 256 * steps(20), 256
-    x, y = torch.randn(n, 784), torch.randint(0, 10, (n,))
-    net = mlp([784, 512, 512, 10])
-    results["custom"] = compare(
-        name, fitdp_loop(copy.deepcopy(net), x, y, bs, [args.device], OwnStep),
-        fitdp_loop(copy.deepcopy(net), x, y, bs, [args.device]), n // bs, args.repeats, sync,
-    )
-    # Scaling: two replicas (one thread each) against one replica, same work.
-    torch.manual_seed(0)
-    n, bs = 256 * steps(8), 256
-    x, y = torch.randn(n, 1024), torch.randint(0, 10, (n,))
-    net = mlp([1024, 1024, 1024, 10])
-    two = [args.device, args.device]
-    name = f"MLP 1024^3, batch 256: 1 replica / {len(two)} replicas"
-    results["scaling"] = compare(
-        name, fitdp_loop(copy.deepcopy(net), x, y, bs, [args.device]),
-        fitdp_loop(copy.deepcopy(net), x, y, bs, two), n // bs, args.repeats, sync, clock="wall",
-    )
-    out: dict[str, object] = dict(results)
-    if args.device == "cpu":
-        print()
-        out["replicas"] = replicas.run_cases(args.repeats, args.quick)
-    out["machine"] = {**replicas.machine(), "loadavg_at_start": load}
-    tiny, big = (results[k]["ratio"] for k in list(results)[:2])
-    print(f"\ntiny MLP overhead:   {tiny:.3f}x (target <= {TARGETS['tiny']})")
-    print(f"784-512-512 overhead: {big:.3f}x (target <= {TARGETS['wide']})")
-    print(f"own train_step:       {results['custom']['ratio']:.3f}x the built-in step "
-          f"(target <= {TARGETS['custom']})")
-    print(f"2-replica speed-up:  {results['scaling']['ratio']:.3f}x (target >= 1.5)")
-    print(f"{out['machine']['cpu']}; load average {load} at the start, "
-          f"{os.getloadavg()} at the end")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    pin_threads()
+    out = Results("overhead", args)
+    runs: dict[str, Callable[[], None]] = {
+        "mlp": lambda: mlps(out, steps, repeats),
+        "custom": lambda: custom(out, steps, repeats),
+        "cnn": lambda: cnn(out, steps, repeats),
+        "transformer": lambda: transformer(out, steps, repeats),
+        "keras": lambda: keras_peer(out, steps, repeats),
+        "import": lambda: import_time(out, 1 if args.quick else 7),
+        "ema": lambda: ema(out, steps, repeats),
+        "checkpointing": lambda: checkpointing(out, args.quick),
+    }
+    if args.quick and "keras" in chosen:  # a peer, not a target: its import alone takes seconds
+        print("[keras] left out of --quick")
+        chosen.remove("keras")
+    for name in SECTIONS:
+        if name in chosen:
+            print(f"[{name}]", flush=True)
+            runs[name]()
+    out.finish()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
+import sys
+import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,10 +16,49 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 import fitdp
-from bench.launcher import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 pytestmark = pytest.mark.distributed
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How a torchrun job ended: exit code (the kill's on a timeout), output (torchrun's and
+    every rank's, interleaved), wall time."""
+
+    code: int
+    output: str
+    seconds: float
+    timed_out: bool
+
+
+def torchrun(script: list[str], *, timeout: float, nproc: int = 2, max_restarts: int = 0,
+             env: dict[str, str] | None = None) -> Finished:
+    """Run ``script`` on ``nproc`` ranks under ``python -m torch.distributed.run``, gloo over
+    the loopback, one thread per process; at ``timeout`` the whole process group (torchrun
+    and every rank) is killed, so no rank is left holding a port or the CPU."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "--max-restarts", str(max_restarts), *script]
+    full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    start, timed_out = time.monotonic(), False
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    finally:
+        if proc.poll() is None:  # interrupted: leave no rank behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return Finished(proc.returncode, output, time.monotonic() - start, timed_out)
 
 
 def launch(scenario: str, out, max_restarts: int = 0, limit: float = 120,

@@ -1,9 +1,9 @@
 """Python bytecodes per training step, fitdp against the floor loop, by file.
 
-Run: python bench/bytecodes.py [--json out.json] [--quick]
+Run: python tools/bytecodes.py [--json out.json] [--quick]
 
 What the tiny MLP's overhead is made of (bench/overhead.py reads about 1.09x the floor loop
-on the 2-core CPU, where valgrind counts the same instructions, bench/instructions.py). The
+on the 2-core CPU, where valgrind counts the same instructions, tools/instructions.py). The
 count is exact and the same on every machine with the same Python and torch: ``sys.settrace``
 with opcode events counts every bytecode each loop runs, for two epoch lengths, so the per-fit
 cost drops out (``(B(n2) - B(n1)) / (n2 - n1)``). Each count is split into fitdp's own code,
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fitdp
-from overhead import fitdp_loop, hand_loop, mlp  # noqa: E402  (bench/ is sys.path[0])
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from common import fitdp_loop, hand_loop, mlp  # noqa: E402 - bench/common.py's loops
 
-SIZES, BATCH = [32, 64, 64, 10], 32  # overhead.py's tiny MLP
+SIZES, BATCH = [32, 64, 64, 10], 32  # bench/overhead.py's tiny MLP
 
 
 def where(path: str) -> str:
@@ -65,7 +65,7 @@ def per_step(kind: str, n1: int, n2: int) -> collections.Counter[tuple[str, str]
         x, y = torch.randn(n * BATCH, SIZES[0]), torch.randint(0, SIZES[-1], (n * BATCH,))
         net = mlp(SIZES)
         loop = (fitdp_loop(copy.deepcopy(net), x, y, BATCH, ["cpu"]) if kind == "fitdp"
-                else hand_loop(copy.deepcopy(net), x, y, BATCH, "cpu"))
+                else hand_loop(copy.deepcopy(net), x, y, BATCH))
         loop()  # warm-up: first-call work (the first batch's checks) is not counted
         runs.append(count(loop))
     keys = set(runs[0]) | set(runs[1])

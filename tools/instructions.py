@@ -1,10 +1,10 @@
 """Instructions per training step, fitdp against the hand loops, counted by valgrind.
 
-Run: python bench/instructions.py [--json out.json] [--quick]
+Run: python tools/instructions.py [--json out.json] [--quick]
 
-The timing benchmarks (overhead.py, replicas.py) read a few percent of overhead on a quiet
-machine and anything on a loaded one: on the shared 2-core box, the same two builds swapped
-order from run to run. This one counts the work itself. Each loop runs in its own process
+The timing benchmarks (bench/overhead.py, bench/replicas.py) read a few percent of overhead on
+a quiet machine and anything on a loaded one: on the shared 2-core box, the same two builds
+swapped order from run to run. This one counts the work itself. Each loop runs in its own process
 under ``valgrind --tool=callgrind`` with instrumentation off (a fast-forward through imports
 and one warm-up epoch); then ``callgrind_control -i on`` counts one epoch of ``n`` steps to
 the process's exit. Two epoch lengths give the cost per step without the per-fit cost:
@@ -12,8 +12,8 @@ the process's exit. Two epoch lengths give the cost per step without the per-fit
 a time), torch's kernels and the interpreter; it does not see cache misses, lock waits or
 the scheduler, which is what the timing benchmarks add.
 
-Cases: the tiny MLP of overhead.py (fitdp on one CPU device against the floor loop), and the
-small two-replica MLP of replicas.py (``devices=["cpu", "cpu"]`` against the hand-written
+Cases: the tiny MLP of bench/overhead.py (fitdp on one CPU device against the floor loop), and
+the small two-replica MLP of bench/replicas.py (``devices=["cpu", "cpu"]`` against the hand-written
 two-thread loop): where a step is mostly Python, so overhead shows. The larger MLPs spend
 their instructions in the same BLAS kernels on both sides, and a counted epoch of them takes
 many minutes under valgrind (the 784-512-512 case ran over 7 minutes for 14 steps).
@@ -24,7 +24,6 @@ about 4 minutes on 2 cores; ``--quick`` counts the tiny case on short epochs (a 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -35,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 CASES = {  # name: (layer sizes, batch, devices, (n1, n2) steps)
     "tiny": ([32, 64, 64, 10], 32, 1, (40, 240)),
     "replicas_128": ([128, 128, 128, 10], 64, 2, (20, 100)),
@@ -46,22 +45,19 @@ TARGETS = {"tiny": ("<=", 1.05), "replicas_128": ("<=", 1.05)}  # fitdp / hand, 
 
 def child(case: str, which: str, steps: int, mark: str) -> None:
     """Build the loop, run one warm-up epoch, signal ``mark``, wait, run one counted epoch."""
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(1, str(HERE.parent))  # this checkout's fitdp
-    import overhead  # noqa: PLC0415
-    import replicas  # noqa: PLC0415
-    import torch  # noqa: PLC0415
+    sys.path.insert(0, str(BENCH))
+    import common  # noqa: PLC0415 - bench/common.py: the loops the timing benchmarks run
 
-    torch.set_num_threads(1)
+    common.pin_threads()
     sizes, bs, devices, _ = CASES[case]
-    x, y = replicas.data(sizes, bs * steps)
-    net = overhead.mlp(sizes)
+    x, y = common.synthetic(bs * steps, sizes[0], sizes[-1])
+    net = common.mlp(sizes)
     if devices == 1:
-        epoch = (overhead.hand_loop(net, x, y, bs, "cpu") if which == "hand"
-                 else overhead.fitdp_loop(net, x, y, bs, ["cpu"]))
+        epoch = (common.hand_loop(net, x, y, bs) if which == "hand"
+                 else common.fitdp_loop(net, x, y, bs, ["cpu"]))
     else:
-        epoch = (replicas.hand_two_threads(net, x, y, bs) if which == "hand"
-                 else replicas.fitdp_epoch(net, x, y, bs, ["cpu"] * devices))
+        epoch = (common.hand_two_threads(net, x, y, bs) if which == "hand"
+                 else common.fitdp_loop(net, x, y, bs, ["cpu"] * devices))
     epoch()
     Path(mark).touch()
     while not Path(mark + ".on").exists():
@@ -100,34 +96,30 @@ def per_step(case: str, which: str, steps: tuple[int, int], tmp: Path,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--quick", action="store_true", help="the two small cases only")
+    sys.path.insert(0, str(BENCH))
+    import common  # noqa: PLC0415 - bench/common.py: the options and the result rows
+
+    parser = common.parser(__doc__)
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         case, which, steps, mark = args.child
         child(case, which, int(steps), mark)
+    out = common.Results("instructions", args)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind (with callgrind_control) is not on PATH: nothing counted")
-        if args.json:
-            Path(args.json).write_text(json.dumps({"skipped": "valgrind not on PATH"}))
-        return
-    results: dict[str, dict[str, float]] = {}
+        out.extra["skipped"] = "valgrind is not on PATH"
+        return out.finish()
     plan = QUICK if args.quick else {k: v[3] for k, v in CASES.items()}
-    print(f"{'case':<16} {'fitdp instr/step':>17} {'hand instr/step':>16}  ratio  target")
     with tempfile.TemporaryDirectory(prefix="fitdp-instr-") as d, ThreadPoolExecutor(2) as pool:
         for case, steps in plan.items():
             fitdp_, hand = (per_step(case, w, steps, Path(d), pool) for w in ("fitdp", "hand"))
             op, target = TARGETS[case]
-            results[case] = {"fitdp": fitdp_, "hand": hand, "ratio": fitdp_ / hand,
-                             "target": target}
-            print(f"{case:<16} {fitdp_:17,.0f} {hand:16,.0f}  {fitdp_ / hand:.3f}  {op} {target}",
-                  flush=True)
-            if args.json:  # after every case: a run stopped by a timeout keeps what it counted
-                Path(args.json).write_text(json.dumps(
-                    {"cases": results, "steps": {k: plan[k] for k in results}}, indent=2))
+            sizes, bs, devices, _ = CASES[case]
+            out.row("instructions", f"MLP {'-'.join(map(str, sizes))}, batch {bs}, {devices} "
+                    "CPU device(s): instructions per step", "hand loop", hand, fitdp_,
+                    "instructions", None, op, target, f"epochs of {steps[0]} and {steps[1]} steps")
+    out.finish()
 
 
 if __name__ == "__main__":
