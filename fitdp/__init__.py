@@ -8,12 +8,12 @@ Example:
 
 from fitdp import callbacks, executor
 from fitdp._version import __version__
+from fitdp.call.interrupts import Preempted
 from fitdp.data.batch import DataBatch, DataDesc
 from fitdp.data.bucketing import BucketIterator
 from fitdp.data.sequence import TokenMean
 from fitdp.executor.engines import DDP, FSDP
 from fitdp.executor.gather import all_gather
-from fitdp.executor.interrupts import Preempted
 from fitdp.executor.monitor import Monitor
 from fitdp.model.facade import Model
 from fitdp.model.steps import unpack_x_y_sample_weight

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-MODULES = ["balance", "flat_buckets", "group", "interrupts", "manager",
-           "per_replica", "replica", "sharded_step", "slicing", "update", "workers"]
+MODULES = ["balance", "flat_buckets", "group", "manager",
+           "replica", "slicing", "step", "update", "weighing", "workers"]
 
 
 @pytest.mark.parametrize("name", MODULES)
