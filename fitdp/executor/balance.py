@@ -12,16 +12,13 @@ import functools
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fitdp.executor.share_clock import ShareClock
 from fitdp.executor.slicing import split_input_slice
-from fitdp.executor.step import Job, device_share
-
-if TYPE_CHECKING:
-    from fitdp.executor.group import DataParallelExecutorGroup
+from fitdp.executor.step import Group, Job, device_share
 
 
 class LoadBalancer:
@@ -133,8 +130,7 @@ class Balancing:
         self.times = [0.0] * len(devices)  # each device's seconds on its last share
         self._tasks: dict[int, list[Callable[[], None]]] = {}  # per group's job, made once
 
-    def dispatch(self, group: DataParallelExecutorGroup
-                 ) -> tuple[list[float], list[float]] | None:
+    def dispatch(self, group: Group) -> tuple[list[float], list[float]] | None:
         """The batch's hand-off with each share timed, then the balancer's decision: new
         loads and the times they come from, or None. On the CPU this batch's times; on CUDA
         those of the batches whose events have run by now (no host sync)."""

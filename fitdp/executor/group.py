@@ -85,12 +85,6 @@ class DataParallelExecutorGroup:
     def grad_arrays(self) -> list[list[torch.Tensor | None]]:
         return [[p.grad for p in row] for row in self.param_arrays]
 
-    def run_phase(self, phase: Callable[[Job, int], Any]) -> None:
-        """One phase of the per-replica routine on every device at once (the MXNet-style
-        calls: ``job`` set by the manager)."""
-        job = self.job
-        self.workers.run([functools.partial(phase, job, d) for d in range(len(job.executors))])
-
     def set_mode(self, is_train: bool) -> None:
         """Training or inference layers on every replica. Read rather than cached: with one
         device the replica is the user's module, which the user may switch between calls

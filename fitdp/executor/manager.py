@@ -192,14 +192,10 @@ class DataParallelExecutorManager:
         group.job.load = False
         group.warn_grown()
 
-    def _phase(self, is_train: bool, phase: Callable[..., Any], **bind: Any) -> Step:
+    def _phase(self, is_train: bool, phase: Callable[..., Any], **bind: Any) -> None:
         """One phase of the step's routine on every device of the current group (the
         MXNet-style calls), under a step bound with ``bind``."""
-        step = self.bind_step(is_train, **bind)
-        group = self.curr_execgrp
-        group.job.step = step
-        group.run_phase(phase)
-        return step
+        self.bind_step(is_train, **bind).phase(self.curr_execgrp, phase)
 
     def group_of(self, data_batch: DataBatch, checked: bool = False
                  ) -> DataParallelExecutorGroup:
@@ -230,10 +226,10 @@ class DataParallelExecutorManager:
         group = self.curr_execgrp
         group.set_mode(is_train)
         step = self.bind_step(is_train)
-        group.job.step = step
         step.weigh(group.job, total_rows)
+        group.job.step = step  # (the turns read its compute)
         probe = group.begin_turns(is_train)
-        group.run_phase(forward_share)
+        step.phase(group, forward_share)
         group.end_turns(probe)
 
     def backward(

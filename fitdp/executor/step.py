@@ -22,20 +22,15 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from fitdp.data.batch import DataBatch, batch_labels, checked_rows, take_rows
 from fitdp.executor.engines import set_sync
 from fitdp.executor.replica import Compute, Executor
-
-if TYPE_CHECKING:
-    from fitdp.executor.balance import Balancing
-    from fitdp.executor.group import DataParallelExecutorGroup
-    from fitdp.executor.manager import DataParallelExecutorManager
-    from fitdp.executor.update import Update
-    from fitdp.executor.weighing import Weighing
+from fitdp.executor.update import Update
+from fitdp.executor.weighing import Weighing
 
 Scale = Callable[[torch.Tensor], torch.Tensor]
 
@@ -182,6 +177,54 @@ NAMED_PHASES = Phases(*(named(f"fitdp.{name}", fn) for name, fn in zip(
 
 # -- the bound step ---------------------------------------------------------------------------
 
+class Group(Protocol):
+    """What a step reads of an executor group (``fitdp.executor.group``, which runs this
+    module's routine: named here by what it does, not imported)."""
+
+    @property
+    def job(self) -> Job: ...
+
+    @property
+    def shares(self) -> Sequence[Callable[[], None]]: ...
+
+    @property
+    def executors(self) -> Sequence[Executor]: ...
+
+    @property
+    def workers(self) -> Any: ...
+
+    def dispatch(self, tasks: Sequence[Callable[[], None]]) -> None: ...
+
+
+class Timing(Protocol):
+    """A hand-off whose shares are timed (``fitdp.executor.balance.Balancing``)."""
+
+    def dispatch(self, group: Group) -> tuple[list[float], list[float]] | None: ...
+
+
+class Manager(Protocol):
+    """What a step reads of its manager (``DataParallelExecutorManager``)."""
+
+    compute: Compute
+    autocast_dtype: torch.dtype | None
+    distributed: bool
+    loss: Any
+    bucket_module: Any
+
+    @property
+    def execgrp(self) -> Group: ...
+
+    def group_of(self, data_batch: DataBatch, checked: bool = False) -> Group: ...
+
+    def slices_for(self, rows: int) -> list[slice]: ...
+
+    def global_rows(self, local: int) -> int | torch.Tensor: ...
+
+    def use_loads(self, loads: list[float], seconds: Sequence[float] | None) -> None: ...
+
+    def weighing(self) -> Weighing: ...
+
+
 class Step:
     """One call's step, bound once (see the module docstring).
 
@@ -195,9 +238,9 @@ class Step:
         balancing: ``work_load_list="auto"``'s timing of each share, or None.
     """
 
-    def __init__(self, mgr: DataParallelExecutorManager, is_train: bool,
-                 update: Update | None, scale: Scale | None, metric: Any, named: bool = False,
-                 balancing: Balancing | None = None) -> None:
+    def __init__(self, mgr: Manager, is_train: bool, update: Update | None,
+                 scale: Scale | None, metric: Any, named: bool = False,
+                 balancing: Timing | None = None) -> None:
         self.mgr = mgr
         self.is_train, self.update = is_train, update
         self.scale, self.metric = scale, metric
@@ -227,7 +270,6 @@ class Step:
         group = self.group or mgr.group_of(batch, checked=True)
         job = group.job
         job.set(batch, rows, axis, mgr.slices_for(rows))
-        job.step = self
         if total_rows is None:
             total_rows = rows - batch.pad
             if self.rows_over_ranks:
@@ -239,12 +281,16 @@ class Step:
         if lead is not None and lead.ranked is not None:
             set_sync(lead.ranked, stepping)  # DDP reduces in backward: on the step's batch
         job.update = update if zero_grad else None
-        if self.balancing is None:
-            group.dispatch(group.shares)
-        else:
-            loads = self.balancing.dispatch(group)
-            if loads is not None:
-                mgr.use_loads(*loads)
+        job.step = self
+        try:
+            if self.balancing is None:
+                group.dispatch(group.shares)
+            else:
+                loads = self.balancing.dispatch(group)
+                if loads is not None:
+                    mgr.use_loads(*loads)
+        finally:
+            job.step = None  # the group holds no step (nor, through it, its manager)
         if stepping:
             update.apply()  # type: ignore[union-attr]
 
@@ -257,12 +303,15 @@ class Step:
                 total_rows = self.mgr.global_rows(total_rows)
         self.weighing.weigh(job, total_rows)
 
-    def phase(self, group: DataParallelExecutorGroup,
-              phase: Callable[[Job, int], Any]) -> None:
+    def phase(self, group: Group, phase: Callable[[Job, int], Any]) -> None:
         """One phase of the routine on every device at once (the MXNet-style calls)."""
         job = group.job
         job.step = self
-        group.workers.run([functools.partial(phase, job, d) for d in range(len(job.executors))])
+        try:
+            group.workers.run([functools.partial(phase, job, d)
+                               for d in range(len(job.executors))])
+        finally:
+            job.step = None
 
     def step_now(self) -> None:
         """The optimizer step alone, from the gradients of the batches run so far."""

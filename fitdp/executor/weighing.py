@@ -26,19 +26,30 @@ per labels tensor (the base tensor an in-memory source slices, while unchanged) 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from fitdp.data.batch import take_rows
 
-if TYPE_CHECKING:
-    from fitdp.executor.step import Job
-
 # labels -> targets the loss means over; one with ``reads_inputs`` (``loss_items``) is called
 # (inputs, labels)
 Count = Callable[..., "torch.Tensor | None"]
+
+
+class Slices(Protocol):
+    """A batch's slices as ``weigh`` reads and fills them (``fitdp.executor.step.Job``)."""
+
+    executors: list[Any]  # each with .device, .valid, .inputs, .labels, .valid_rows
+    weights: list[Any]
+    counts: list[Any]
+    valid: list[int]
+    slices: list[slice]
+    batch: Any
+    axis: int
+
+    def load_all(self) -> None: ...
 
 
 def weighted(loss: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor:
@@ -114,7 +125,7 @@ class Weighing:
         self._clean = (base, base._version)
         return True
 
-    def weigh(self, job: Job, total_rows: int | torch.Tensor) -> None:
+    def weigh(self, job: Slices, total_rows: int | torch.Tensor) -> None:
         """Each device's loss weight and count into ``job``: its valid rows over
         ``total_rows``, or its share of the counted targets."""
         executors, weights, counts, valid = job.executors, job.weights, job.counts, job.valid

@@ -58,13 +58,10 @@ def weights(mgr: DataParallelExecutorManager) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("devices,loads", [(["cpu"], None), (["cpu", "cpu"], None),
                                            (["cpu"] * 3, [1.0, 2.0, 3.0])])
-@pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam])
 @pytest.mark.parametrize("ignored", [False, True], ids=["rows", "counted"])
-def test_run_batch_is_bitwise_the_stepwise_calls(devices, loads, shard, opt_cls, ignored):
+def test_run_batch_is_bitwise_the_stepwise_calls(devices, loads, opt_cls, ignored):
     a, b = managers(devices, loads)
-    # sharded: the update split over the threads (whatever the model's size, for the test)
-    b._shardable = shard and len(devices) > 1
     opts = [opt_cls(m.master_parameters(), lr=0.05) for m in (a, b)]
     accum = 2  # two batches per optimizer step: zeroing and accumulating both run
     for i, batch in enumerate(batches(6, ignored=ignored)):
