@@ -53,7 +53,7 @@ class Job:
         self.counts: list[Any] = [None] * n
         self.valid = [0] * n
         self.in_turn = False
-        self.step_turns = False  # the compute takes the turns itself (``group._begin_turns``)
+        self.step_turns = False  # the compute takes the turns itself (``group.begin_turns``)
         self.batch: Any = None
         self.slices: list[slice] = []
         self.load, self.axis = True, 0
