@@ -270,11 +270,7 @@ class Step:
         group = self.group or mgr.group_of(batch, checked=True)
         job = group.job
         job.set(batch, rows, axis, mgr.slices_for(rows))
-        if total_rows is None:
-            total_rows = rows - batch.pad
-            if self.rows_over_ranks:
-                total_rows = mgr.global_rows(total_rows)
-        self.weighing.weigh(job, total_rows)
+        self.weigh(job, total_rows)
         update = self.update
         stepping = update is not None and update.prepare(step)
         lead = self.lead
