@@ -9,13 +9,13 @@ Example:
 from fitdp import callbacks, executor
 from fitdp._version import __version__
 from fitdp.call.gather import all_gather
+from fitdp.call.interrupts import Preempted
 from fitdp.call.monitor import Monitor
 from fitdp.data.batch import DataBatch, DataDesc
 from fitdp.data.bucketing import BucketIterator
 from fitdp.data.sequence import TokenMean
 from fitdp.executor.ddp import DDP
 from fitdp.executor.fsdp import FSDP
-from fitdp.executor.interrupts import Preempted
 from fitdp.model.facade import Model
 from fitdp.model.steps import unpack_x_y_sample_weight
 from fitdp.saving.checkpoint import CheckpointError

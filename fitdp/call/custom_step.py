@@ -18,6 +18,7 @@ import torch
 
 from fitdp.call.gather import Meeting, ReplicaContext, running
 from fitdp.checks import fail
+from fitdp.executor.weighing import weighted
 
 STEPS = ("train_step", "test_step", "predict_step", "compute_loss")
 
@@ -58,8 +59,8 @@ class CustomStep:
         self.manual = False  # several optimizers, stepped by train_step (set by Replicas)
         self._index: dict[int, tuple[int, Any]] = {}  # id(executor) -> (device, its job)
         # What a slice's loss means over when declared: compile(loss=None, loss_items=...)
-        # or a loss with counts such as TokenMean (``per_replica.weigh`` weighs the slices by
-        # it, as on the built-in path); None: rows.
+        # or a loss with counts such as TokenMean (``fitdp.executor.weighing`` weighs the
+        # slices by it, as on the built-in path); None: rows.
         self.counts: Any = None
         self.manager: Any = None
         self.trainer: Any = None
@@ -175,13 +176,12 @@ class CustomStep:
         broadcast) on the last replica to arrive, before any replica goes on."""
         update = self.update(optimizer)
         update.zero_device(context.index)
-        weighted = loss if isinstance(context.weight, float) and context.weight == 1.0 \
-            else loss * context.weight
+        mine = weighted(loss, context.weight)
         scaler = update.scaler
-        (weighted if scaler is None else scaler.scale(weighted)).backward()
+        (mine if scaler is None else scaler.scale(mine)).backward()
 
         def leader(_: list[Any]) -> list[Any]:
-            update.apply(0)
+            update.apply()
             return []
 
         if self.meeting is None:

@@ -37,7 +37,7 @@ WAIT_SECONDS = 300.0  # a replica that never arrives: a clear error instead of a
 
 @dataclasses.dataclass
 class ReplicaContext:
-    """The replica a step runs on, for the step's length (see ``bound_step``).
+    """The replica a step runs on, for the step's length (see ``fitdp.executor.step``).
 
     Attributes:
         module: the replica's module (``self.module`` and ``self(x)`` inside a step).

@@ -18,8 +18,8 @@ from fitdp.compiled.optimizers import bind_optimizer
 from fitdp.compiled.setup import Compiled
 from fitdp.data.sources import SourcePlan
 from fitdp.executor.engines import engine_for
-from fitdp.executor.fence import wait_for_snapshots
 from fitdp.executor.manager import DataParallelExecutorManager
+from fitdp.saving.fence import wait_for_snapshots
 
 
 @dataclasses.dataclass(frozen=True)

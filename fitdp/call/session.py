@@ -20,6 +20,7 @@ from torch import nn
 
 from fitdp.call.batches import PREDICT, TEST, TRAIN, assemble, run_batches
 from fitdp.call.first_batch import check_outputs, raised_in_fitdp
+from fitdp.call.interrupts import GUARD, SIGTERM, Preempted
 from fitdp.call.modes import Modes
 from fitdp.call.monitor import Monitor
 from fitdp.call.plan import CallPlan, FitPlan
@@ -33,11 +34,11 @@ from fitdp.compiled.setup import Compiled
 from fitdp.data.batch import DataBatch, batch_length, take_rows, tree_cat, tree_map
 from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
-from fitdp.executor.bound_step import BatchStep
 from fitdp.executor.checkpointing import ActivationCheckpointing
-from fitdp.executor.interrupts import GUARD, SIGTERM, Preempted
 from fitdp.executor.replica import call_module
+from fitdp.executor.step import Step
 from fitdp.saving.entries import Entry, EpochLogs
+from fitdp.saving.fence import fence_steps
 
 
 class Session:
@@ -96,6 +97,11 @@ class Session:
         self.step_scheduler = trainer is not None and trainer.scheduler is not None
         if self.monitor is not None:
             self.mgr.install_monitor(self.monitor)
+        # Measured loads for this call, or the placement's (replicas kept from an "auto"
+        # call measure no more); the model reports the list in use, updated in place.
+        self.mgr.set_work_load_list(
+            "auto" if plan.auto_loads else list(replicas.placement.work_load_list))
+        fence_steps(self.mgr.before_step)  # an async save still copying: the steps wait
         # The steps of the call, chosen once from what the call fixes (Keras's
         # make_train_function): the batch loops below only call them.
         # A profiler's callback, or one running around the call, gets the phases as named
@@ -105,10 +111,6 @@ class Session:
         self.train = self.mgr.bind_step(
             True, optimizer=trainer.optimizer, scaler=trainer.scaler, clip_norm=self.clip,
             scale=self.scale, metric=self.metrics, named=named) if trainer is not None else None
-        # Measured loads for this call, or the placement's (replicas kept from an "auto"
-        # call measure no more); the model reports the list in use, updated in place.
-        self.mgr.set_work_load_list(
-            "auto" if plan.auto_loads else list(replicas.placement.work_load_list))
         # Last: the blocks' forwards are put back by ``close``, which runs once this is made.
         blocks = config.activation_checkpointing if config is not None else None
         self.checkpointing = ActivationCheckpointing(
@@ -408,7 +410,7 @@ class Session:
 
     # -- shared by every call -------------------------------------------------------------
 
-    def _one_batch(self, bound: BatchStep, batch: DataBatch, zero_grad: bool = False,
+    def _one_batch(self, bound: Step, batch: DataBatch, zero_grad: bool = False,
                    step: bool = False) -> None:
         """One batch through one of the call's bound steps (``zero_grad``, ``step``: its
         zeroing and optimizer step). On a call's first batch, the user's errors come back

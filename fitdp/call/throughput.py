@@ -10,7 +10,7 @@ import torch
 
 from fitdp.call.ranks import Ranks
 from fitdp.data.batch import DataBatch
-from fitdp.executor.bound_step import BatchStep
+from fitdp.executor.step import Step
 
 
 class Throughput:
@@ -34,7 +34,7 @@ class Throughput:
         self.samples = 0  # the bound step's count at the epoch's start
         self.tokens = 0
 
-    def begin(self, step: BatchStep) -> None:
+    def begin(self, step: Step) -> None:
         self.start, self.samples, self.tokens = perf_counter(), step.samples, 0
 
     def counted(self, batches: Iterable[DataBatch]) -> Iterable[DataBatch]:
@@ -48,7 +48,7 @@ class Throughput:
             self.tokens += count(batch)  # type: ignore[misc]
             yield batch
 
-    def rates(self, step: BatchStep, ranks: Ranks, device: torch.device) -> dict[str, float]:
+    def rates(self, step: Step, ranks: Ranks, device: torch.device) -> dict[str, float]:
         """The epoch's rates (every rank's samples and tokens: a collective under torchrun,
         on ``device``, the one the ranks reduce on)."""
         seconds = max(perf_counter() - self.start, 1e-9)

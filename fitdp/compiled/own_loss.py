@@ -6,7 +6,8 @@ A module's own loss is a mean, over the batch's rows for a sequence classifier, 
 tokens that are not ignored (-100) for a token classifier or a causal language model. A
 slice's mean weighed by its rows then gives another update than the whole batch as soon as
 the slices hold different numbers of tokens; weighed by its items (``ItemCount``), it gives
-the same. The executor reads the count of every slice (``fitdp.executor.per_replica.weigh``).
+the same. The executor reads the count of every slice (``fitdp.executor.weighing``, which
+calls an ``ItemCount`` with the slice's inputs and labels: ``reads_inputs``).
 """
 
 from __future__ import annotations

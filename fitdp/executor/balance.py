@@ -1,18 +1,24 @@
-"""What the manager measures of its devices: work loads that balance themselves
-(``work_load_list="auto"``), and whether CPU replica threads are slower than one thread.
+"""Work loads that balance themselves (``work_load_list="auto"``): a plug-in of the step.
 
-Both take the times the executor group records anyway (``perf_counter`` at the start and end
-of each device's share: well under a microsecond per step) and decide in plain Python, so a
-test can feed them any timings.
+``LoadBalancer`` decides in plain Python from each device's times, so a test can feed it any
+timings. ``Balancing`` is what a step binds only when the loads are ``"auto"``: it times each
+device's share of a batch (``ShareClock``: the host clock on the CPU, CUDA events read later
+elsewhere) and hands the times to the balancer; a step with a list of loads runs none of it.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from time import perf_counter
 from typing import Any
 
+import torch
+
+from fitdp.executor.share_clock import ShareClock
 from fitdp.executor.slicing import split_input_slice
+from fitdp.executor.step import Group, Job, device_share
 
 
 class LoadBalancer:
@@ -104,79 +110,47 @@ class LoadBalancer:
         self._spread = [float(v) for v in state["spread"]]
 
 
-class SlowReplicaCheck:
-    """Over a manager's first training batches: do its CPU replicas, run at once, take longer
-    than one thread running every device's share one after another (what one replica
-    would do)? Small models do: their threads queue for Python's GIL.
+class Balancing:
+    """``work_load_list="auto"`` bound into a step: each device's share of a batch timed,
+    and the times handed to ``balancer``.
 
-    Skips ``warmup`` batches (a run's first batches are slower), then measures ``probes``
-    pairs of batches, one batch of each pair one share after another (``serial_next``) and
-    one at once, next to each other in time, so a change of the machine's load hits both
-    sides of a pair alike. The order alternates pair by pair (serial first, then at once
-    first): after a batch at once the other threads' OpenMP workers spin for a while and
-    slow whatever runs next, so neither side always pays it. It warns when at once is
-    slower by ``margin`` in the median pair *and* in at least ``agree`` of the pairs: a few
-    batches disturbed by another process cannot decide alone. Then it is done and costs
-    nothing; until then ``probes`` training batches run on one thread.
+    Args:
+        balancer: the manager's ``LoadBalancer``.
+        devices: the devices, in order.
 
     Example:
-        >>> check = SlowReplicaCheck(warmup=0, probes=1)
-        >>> check.serial_next(), check.record(True, 0.001)
-        (True, None)
-        >>> check.serial_next(), check.record(False, 0.002)
-        (False, (0.002, 0.001))
+        >>> b = Balancing(LoadBalancer(2), [torch.device("cpu")] * 2)
+        >>> b.times
+        [0.0, 0.0]
     """
 
-    def __init__(self, *, warmup: int = 5, probes: int = 6, margin: float = 1.1,
-                 agree: float = 0.75) -> None:
-        self.warmup, self.probes, self.margin, self.agree = warmup, probes, margin, agree
-        self.batches = 0
-        self.serial: list[float] = []
-        self.together: list[float] = []
-        self.done = False
+    def __init__(self, balancer: LoadBalancer, devices: Sequence[torch.device]) -> None:
+        self.balancer = balancer
+        self.clock = ShareClock(devices)
+        self.times = [0.0] * len(devices)  # each device's seconds on its last share
+        self._tasks: dict[int, list[Callable[[], None]]] = {}  # per group's job, made once
 
-    def serial_next(self) -> bool:
-        """Whether the next training batch should run its shares one after another."""
-        k = self.batches - self.warmup
-        if k < 0 or k >= 2 * self.probes:
-            return False
-        pair, second = divmod(k, 2)
-        return (pair % 2 == 0) != bool(second)  # pairs alternate: S T, T S, S T, ...
-
-    def record(self, serial: bool, seconds: float) -> tuple[float, float] | None:
-        """One training batch's time on its shares. Once decided: (median time at once,
-        median time one after another) when at once is the slower (see the class), else
-        None; ``done`` is then set."""
-        self.batches += 1
-        if self.batches <= self.warmup or self.done:
-            return None
-        (self.serial if serial else self.together).append(seconds)
-        if len(self.together) < self.probes or len(self.serial) < self.probes:
-            return None
-        self.done = True
-        ratios = [t / max(s, 1e-12) for s, t in zip(self.serial, self.together)]
-        slower = sum(r > self.margin for r in ratios)
-        if statistics.median(ratios) > self.margin and slower >= self.agree * len(ratios):
-            return statistics.median(self.together), statistics.median(self.serial)
+    def dispatch(self, group: Group) -> tuple[list[float], list[float]] | None:
+        """The batch's hand-off with each share timed, then the balancer's decision: new
+        loads and the times they come from, or None. On the CPU this batch's times; on CUDA
+        those of the batches whose events have run by now (no host sync)."""
+        job = group.job
+        tasks = self._tasks.get(id(job))
+        if tasks is None:
+            tasks = self._tasks[id(job)] = [functools.partial(self._timed, job, d)
+                                             for d in range(len(job.executors))]
+        group.dispatch(tasks)
+        rows = [s.stop - s.start for s in job.slices]
+        for done_rows, seconds in self.clock.finished(rows, self.times):
+            new = self.balancer.record(done_rows, seconds)
+            if new is not None:
+                self.clock.forget()  # the batches still pending ran the old loads
+                return new, seconds
         return None
 
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where the check is (plain numbers: a checkpoint's): a resumed run runs its
-        remaining batches one after another where the uninterrupted one does."""
-        return {"batches": self.batches, "serial": list(self.serial),
-                "together": list(self.together), "done": self.done}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.batches, self.done = int(state["batches"]), bool(state["done"])
-        self.serial = [float(v) for v in state["serial"]]
-        self.together = [float(v) for v in state["together"]]
-
-def slow_replicas_message(devices: int, together: float, alone: float) -> str:
-    """The warning ``SlowReplicaCheck`` leads to: both numbers and the fix."""
-    return (f"devices: the {devices} CPU replicas' forward and backward took "
-            f"{together * 1e3:.3f} ms per batch running at once, but {alone * 1e3:.3f} ms one "
-            f"after another on one thread (measured over the first training batches): one "
-            f"replica would train faster here (a small model spends its time in Python, and "
-            f"threads queue for Python's GIL). Fix: train on fewer devices, e.g. "
-            f"devices=['cpu'].")
+    def _timed(self, job: Job, d: int) -> None:
+        start = perf_counter()
+        self.clock.begin(d)
+        device_share(job, d)
+        self.clock.end(d)  # a CUDA share's device time: read later, no host sync
+        self.times[d] = perf_counter() - start

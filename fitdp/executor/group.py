@@ -5,26 +5,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Hashable, Sequence
-from time import perf_counter
 from typing import Any
 
 import torch
 from torch import nn
 
-from fitdp.data.batch import DataBatch, axis_of
+from fitdp.data.batch import axis_of
 from fitdp.executor.compile_config import CompileConfig
-from fitdp.executor.per_replica import (
-    Count,
-    Job,
-    backward_share,
-    device_share,
-    device_task,
-    forward_share,
-    load_share,
-    metric_share,
-    weigh,
-)
-from fitdp.executor.replica import Compute, Executor
+from fitdp.executor.replica import Executor
+from fitdp.executor.step import Job, device_share
 from fitdp.executor.workers import DeviceWorkers
 
 # Layers that draw from the generator in training: their CPU replicas run forward in turn.
@@ -87,25 +76,14 @@ class DataParallelExecutorGroup:
         self.aux_names = list(buffers[0])
         self.aux_arrays = [[b[n] for b in buffers] for n in self.aux_names]
         self.slices: list[slice] = []
-        n = len(self.executors)
-        # This batch's work, read by the device threads; the tasks are made once (and hold
+        # This batch's work, read by the device threads; the shares are made once (and hold
         # the job, never the group: a dropped model frees its threads at once).
         job = self.job = Job(self.executors)
-        self.tasks = [functools.partial(device_task, job, d) for d in range(n)]
-        self.shares = [functools.partial(device_share, job, d) for d in range(n)]
-        self._phases: dict[Callable[[Job, int], Any], list[Callable[[], Any]]] = {
-            phase: [functools.partial(phase, job, d) for d in range(n)]
-            for phase in (load_share, forward_share, backward_share, metric_share)}
-        self.times = job.times  # each device's seconds on its share of the last run
-        self.start = 0.0  # when the last ``run`` handed its batch off
+        self.shares = [functools.partial(device_share, job, d) for d in range(len(devices))]
 
     @property
     def grad_arrays(self) -> list[list[torch.Tensor | None]]:
         return [[p.grad for p in row] for row in self.param_arrays]
-
-    def _phase(self, phase: Callable[[Job, int], Any]) -> None:
-        """One phase of the per-replica routine on every device at once."""
-        self.workers.run(self._phases[phase])
 
     def set_mode(self, is_train: bool) -> None:
         """Training or inference layers on every replica. Read rather than cached: with one
@@ -115,79 +93,35 @@ class DataParallelExecutorGroup:
             if ex.module.training is not is_train:
                 ex.module.train(is_train)
 
-    def load_data_batch(self, batch: DataBatch, slices: list[slice], rows: int | None = None
-                        ) -> None:
-        """Copy each device's slice of ``batch`` into its input buffers."""
-        self.slices = slices
-        self.job.set(batch, batch.batch_size if rows is None else rows, batch.axis, slices)
-        self._phase(load_share)
-        self.job.load = False
-        self._warn_grown()
-
-    def forward(self, is_train: bool, compute: Compute, total_rows: int | torch.Tensor,
-                autocast_dtype: torch.dtype | None, counter: Count | None,
-                global_count: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Run every replica on its loaded slice (``per_replica.weigh`` gives the loss weights)."""
-        self.set_mode(is_train)
+    def dispatch(self, tasks: Sequence[Callable[[], None]]) -> None:
+        """The batch's hand-off (``job`` set and weighed): ``tasks`` (the ``shares``, or
+        timed ones) on the device threads at once; forwards take turns where the replicas
+        share a generator and draw from it."""
         job = self.job
-        job.is_train, job.compute, job.autocast = is_train, compute, autocast_dtype
-        weigh(job, total_rows, counter, global_count)
-        probe = self._begin_turns(is_train)
-        self._phase(forward_share)
-        self._end_turns(probe)
-
-    def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Backward on every replica, at once."""
-        self.job.scale = scale
-        self._phase(backward_share)
-
-    def update_metric(self, metric: Any, labels: Any = None) -> None:
-        """Update each device's clone of ``metric`` with that device's outputs and labels."""
-        job = self.job
-        job.metric, job.metric_labels = metric, labels
-        try:
-            self._phase(metric_share)
-        finally:
-            job.metric = job.metric_labels = None
-        metric.end_batch(self.executors[0].axis)  # the metrics that update with the whole batch
-
-    def dispatch(self, tasks: Sequence[Callable[[], None]], serial: bool, timed: bool) -> None:
-        """The batch's hand-off (``job`` set and weighed): ``tasks`` (``shares``, or
-        ``tasks`` with a sharded optimizer step) on the device threads; ``serial``: every
-        device's share on this thread, one after another (what one replica's thread would
-        do). ``timed``: record each share's time (``times``, ``section_seconds``); untimed,
-        a share reads no clock."""
-        job = self.job
-        is_train = job.is_train
+        is_train = job.step.is_train  # type: ignore[union-attr]
         self.set_mode(is_train)
         self.slices = job.slices
-        job.timed = timed
         if is_train and self.stochastic is not False:
-            probe = self._begin_turns(True)
-        else:  # no turns (evaluation, or replicas that never draw): two calls fewer a batch
+            probe = self.begin_turns(True)
+        else:  # no turns (evaluation, or replicas that never draw)
             probe = None
             job.in_turn = job.step_turns = False
-        if timed:
-            self.start = perf_counter()
-        if serial:
-            for task in tasks:  # the shares (serial batches never shard the step)
-                task()
-        else:
-            self.workers.run(tasks)
+        self.workers.run(tasks)
         if probe is not None:
-            self._end_turns(probe)
-        if job.metric is not None:
-            job.metric.end_batch(job.axis)  # the metrics that update with the whole batch
+            self.end_turns(probe)
+        metric = job.step.metric  # type: ignore[union-attr]
+        if metric is not None:
+            metric.end_batch(job.axis)  # the metrics that update with the whole batch
         if self.bucketed:
-            self._warn_grown()
+            self.warn_grown()
 
-    def _begin_turns(self, is_train: bool) -> list[torch.Tensor] | None:
+    def begin_turns(self, is_train: bool) -> list[torch.Tensor] | None:
         """Whether forwards take turns this batch (``job.in_turn``, or ``job.step_turns``
         for a compute that takes them itself: a custom step, whose replicas meet mid-step);
         the generators' states when this is the probe (see ``_draws_in_turn``)."""
-        job = self.job
+        job, step = self.job, self.job.step
         turns = is_train and self.stochastic is not False and self._draws_in_turn()
-        job.step_turns = turns and getattr(job.compute, "takes_turns", False)
+        job.step_turns = turns and getattr(step and step.compute, "takes_turns", False)
         job.in_turn = turns and not job.step_turns
         if not turns:
             return None
@@ -195,15 +129,10 @@ class DataParallelExecutorGroup:
             event.clear()
         return self._rng_states() if self.stochastic is None else None
 
-    def _end_turns(self, before: list[torch.Tensor] | None) -> None:
+    def end_turns(self, before: list[torch.Tensor] | None) -> None:
         if before is not None:  # the probe: did that forward draw random numbers?
             after = self._rng_states()
             self.stochastic = any(not torch.equal(a, b) for a, b in zip(before, after))
-
-    def section_seconds(self, serial: bool) -> float:
-        """The last ``run``'s time on the devices' shares: from the hand-off until the last
-        share ended, or (``serial``) the sum of the shares' own times."""
-        return sum(self.times) if serial else max(self.job.ends) - self.start
 
     def _rng_states(self) -> list[torch.Tensor]:
         """The states of the generators the replicas draw from (one per distinct device)."""
@@ -230,7 +159,7 @@ class DataParallelExecutorGroup:
                 self.stochastic = True
         return self.stochastic is not False
 
-    def _warn_grown(self) -> None:
+    def warn_grown(self) -> None:
         """The seed's re-allocation warning, once per input name for all devices."""
         grown: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         for ex in self.executors:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -13,7 +14,7 @@ from torch import nn
 from fitdp.data.batch import DataBatch, take_rows, tree_map
 from fitdp.executor import checks
 from fitdp.executor.averaging import average_into, average_replicas
-from fitdp.executor.bound_step import StepMixin, all_reduce
+from fitdp.executor.balance import Balancing, LoadBalancer
 from fitdp.executor.compile_config import CompileConfig, check_compile
 from fitdp.executor.devices import DevicesArg, resolve_devices
 from fitdp.executor.engine import Engine
@@ -21,14 +22,17 @@ from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.local_reduce import LocalReduce
 from fitdp.executor.replica import Compute, LossFn, ModuleLoss
 from fitdp.executor.sharing import bucket_replicas, check_unique_names, hashable
-from fitdp.executor.slicing import device_slices
+from fitdp.executor.slicing import check_work_load_arg, device_slices
+from fitdp.executor.step import Scale, Step, backward_share, forward_share, load_share, metric_share
+from fitdp.executor.update import NamedUpdate, Update
+from fitdp.executor.weighing import Weighing, global_rows
 from fitdp.executor.workers import DeviceWorkers
 
 # Parameters or buffers: names, their ``[name][device]`` tensors, and the caller's by name.
 _Named = tuple[list[str], Sequence[Sequence[torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
-class DataParallelExecutorManager(StepMixin):
+class DataParallelExecutorManager:
     """Run one module data-parallel over several devices, with bucketing.
 
     Keeps a persistent replica per device, splits each batch by the work load list, runs the
@@ -127,9 +131,19 @@ class DataParallelExecutorManager(StepMixin):
         # is left to the step).
         self.cross_rank: Callable[[], None] | None = \
             self.engine.reduce if self.engine.reduces else None
-        self._init_loads(work_load_list)
-        if self._custom:  # replicas that may meet run at once (see ``compute``)
-            self._speed_check = None
+        # What the step of a call binds: the gradient-only and optimizer updates (they hold
+        # no step, so the manager holds no cycle), the slices per batch size, the weighing.
+        self._updates: dict[tuple[Hashable, ...], Update] = {}
+        self._weighing = Weighing(None, self.devices, distributed)
+        # Callables each optimizer step runs first (an async save still copying the
+        # weights waits there; see ``fitdp.saving.fence``).
+        self.before_step: list[Callable[[], None]] = []
+        self.work_load_list = [1.0] * len(self.devices)
+        self.balancer: LoadBalancer | None = None
+        self.balancing: Balancing | None = None  # the balancer's timing, for the steps
+        self._slices: dict[int, list[slice]] = {}
+        self._reserved: list[Any] = []
+        self.set_work_load_list(work_load_list)
         self.logger.debug("fitdp: data parallel on %s", self.devices)
 
     # -- the seed's surface -------------------------------------------------------------
@@ -168,11 +182,21 @@ class DataParallelExecutorManager(StepMixin):
         checks.check_batch(data_batch)
         if data_batch.layout is None and self.layout is not None:
             data_batch = dataclasses.replace(data_batch, layout=self.layout)
-        group = self._group_of(data_batch)
-        group.load_data_batch(data_batch, self._slices_for(data_batch.batch_size))
+        group = self.group_of(data_batch)
+        rows = data_batch.batch_size
+        group.slices = self.slices_for(rows)
+        group.job.set(data_batch, rows, data_batch.axis, group.slices)
+        self._phase(False, load_share)
+        group.job.load = False
+        group.warn_grown()
 
-    def _group_of(self, data_batch: DataBatch, checked: bool = False
-                  ) -> DataParallelExecutorGroup:
+    def _phase(self, is_train: bool, phase: Callable[..., Any], **bind: Any) -> None:
+        """One phase of the step's routine on every device of the current group (the
+        MXNet-style calls), under a step bound with ``bind``."""
+        self.bind_step(is_train, **bind).phase(self.curr_execgrp, phase)
+
+    def group_of(self, data_batch: DataBatch, checked: bool = False
+                 ) -> DataParallelExecutorGroup:
         """The batch's bucket group, made current (its rows checked first, unless
         ``checked``)."""
         if not checked:
@@ -198,22 +222,20 @@ class DataParallelExecutorManager(StepMixin):
                 equal the whole-batch gradient.
         """
         group = self.curr_execgrp
-        total: int | torch.Tensor | None = total_rows
-        if total is None:
-            total = sum(group.job.valid)
-            # Only training needs the weights; a source that knows the count passes it in.
-            if self.distributed and is_train and self.loss is not None:
-                total = self._global_rows(total)
-        group.forward(is_train, self.compute, total, self.autocast_dtype,
-                      getattr(self.compute, "counts", None),
-                      all_reduce if self.distributed else None)
+        group.set_mode(is_train)
+        step = self.bind_step(is_train)
+        step.weigh(group.job, total_rows)
+        group.job.step = step  # (the turns read its compute)
+        probe = group.begin_turns(is_train)
+        step.phase(group, forward_share)
+        group.end_turns(probe)
 
     def backward(
         self, *, reduce: bool = True, scale: Callable[[torch.Tensor], torch.Tensor] | None = None
     ) -> None:
         """Backward on every replica; with ``reduce``, sum gradients into device 0 (and across
         ranks). Pass ``reduce=False`` to accumulate gradients over several batches."""
-        self.curr_execgrp.backward(scale)
+        self._phase(True, backward_share, scale=scale)
         if reduce:
             self.reduce_gradients()
 
@@ -247,7 +269,12 @@ class DataParallelExecutorManager(StepMixin):
         checks.check_metric(metric)
         group = self.curr_execgrp
         if hasattr(metric, "clones"):
-            group.update_metric(metric, labels)
+            group.job.metric_labels = labels
+            try:
+                self._phase(False, metric_share, metric=metric)
+            finally:
+                group.job.metric_labels = None
+            metric.end_batch(group.executors[0].axis)  # those that update with the batch
             return
         for ex, sl in zip(group.executors, group.slices):
             lab = ex.labels if labels is None else take_rows(labels, sl, ex.axis)
@@ -357,7 +384,7 @@ class DataParallelExecutorManager(StepMixin):
         self.layout = next((d.layout for d in descs if d.batch_axis), None)
         for desc in descs:
             axis = desc.batch_axis if len(desc.shape) > desc.batch_axis else 0
-            for ex, s in zip(self.execgrp.executors, self._slices_for(desc.shape[axis])):
+            for ex, s in zip(self.execgrp.executors, self.slices_for(desc.shape[axis])):
                 shape = list(desc.shape)
                 shape[axis] = s.stop - s.start
                 ex.reserve(desc.name, tuple(shape), desc.dtype)
@@ -367,6 +394,184 @@ class DataParallelExecutorManager(StepMixin):
         garbage-collected) and release the engine's hold on the replicas."""
         self.workers.close()
         self.engine.close()
+
+    # -- the step of a call ----------------------------------------------------------------
+
+    def bind_step(self, is_train: bool, *, optimizer: torch.optim.Optimizer | None = None,
+                  scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
+                  scale: Scale | None = None, metric: Any = None, named: bool = False) -> Step:
+        """The step for a call's batches, from what the call fixes: ``step(batch,
+        zero_grad=, step=, total_rows=)`` trains (or, not ``is_train``, evaluates) a batch;
+        ``step.step_now()`` takes the optimizer step alone. The caller holds its Ctrl-C
+        guard around a batch that steps (``run_batch`` and ``step`` take one as ``guard``).
+
+        Args:
+            is_train: train or evaluate.
+            optimizer: built on ``master_parameters()``; None: gradients only.
+            scaler: the ``GradScaler`` of a 16-mixed run, or None.
+            clip_norm: max global norm of the gradients, or None.
+            scale: multiplies each loss before backward, or None.
+            metric: a ``DeviceMetrics`` to update per device slice, or None.
+            named: the phases (load, forward, backward, metrics, reduce, step) in
+                ``torch.profiler.record_function`` ranges named ``fitdp.<phase>``, for a
+                profiler's trace; without it the step runs no range code at all.
+        """
+        update = self._update(optimizer, scaler, clip_norm, named) if is_train else None
+        return Step(self, is_train, update, scale, metric, named, self.balancing)
+
+    def _update(self, optimizer: torch.optim.Optimizer | None,
+                scaler: torch.amp.GradScaler | None, clip_norm: float | None,
+                named: bool = False) -> Update:
+        """The update for these arguments, made once and kept (its views of the buckets)."""
+        key = (optimizer, scaler, clip_norm, named)
+        update = self._updates.get(key)
+        if update is None or not update.fits(optimizer):
+            if len(self._updates) >= 16:  # calls with new optimizers: keep a few
+                self._updates.clear()
+            kind = NamedUpdate if named else Update
+            update = self._updates[key] = kind(
+                self.flat, self.master_parameters(), optimizer, scaler=scaler,
+                clip_norm=clip_norm, cross_rank=self.cross_rank, before_step=self.before_step)
+        return update
+
+    def manual_update(self, optimizer: torch.optim.Optimizer, *,
+                      scaler: torch.amp.GradScaler | None = None,
+                      clip_norm: float | None = None) -> Update:
+        """The update of one of several optimizers that a custom ``train_step`` steps itself
+        (``Model.optimizer_step``): the same reduce, unscale, clip (its own parameters),
+        step and broadcast as the bound step's."""
+        return self._update(optimizer, scaler, clip_norm)
+
+    def run_batch(
+        self,
+        data_batch: DataBatch,
+        is_train: bool,
+        *,
+        total_rows: int | None = None,
+        scale: Scale | None = None,
+        metric: Any = None,
+        zero_grad: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        clip_norm: float | None = None,
+        guard: contextlib.AbstractContextManager[Any] | None = None,
+    ) -> None:
+        """One batch with one hand-off per device: each device thread loads its slice, runs
+        forward (and backward when training) and updates its clone of ``metric`` (a
+        ``DeviceMetrics``); the same numbers as ``load_data_batch``, ``forward``,
+        ``backward(reduce=False)`` and ``update_metric`` in turn, with a thread wake-up per
+        device instead of one per call. (``bind_step`` once per call does the same without
+        binding the step per batch.)
+
+        Args:
+            data_batch: the batch.
+            is_train: train (backward) or only forward.
+            total_rows: see ``forward``.
+            scale: see ``backward``.
+            metric: a ``DeviceMetrics`` to update, or None.
+            zero_grad: zero the gradients first (the first batch of an optimizer step).
+            optimizer: also take the optimizer step after backward, as ``step`` does with
+                ``scaler`` and ``clip_norm``.
+            guard: a context the batch runs in when it steps, e.g. ``fitdp.call.interrupts.
+                GUARD.critical()``: a Ctrl-C during the step is raised after it.
+        """
+        bound = self.bind_step(is_train, optimizer=optimizer, scaler=scaler,
+                               clip_norm=clip_norm, scale=scale, metric=metric)
+        with guard if guard is not None and optimizer is not None else contextlib.nullcontext():
+            bound(data_batch, zero_grad=zero_grad, step=optimizer is not None,
+                  total_rows=total_rows)
+
+    def step(self, optimizer: torch.optim.Optimizer, *,
+             scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
+             guard: contextlib.AbstractContextManager[Any] | None = None) -> None:
+        """One optimizer step on every replica, from the gradients of the last backward(s).
+
+        The whole sequence, in order: reduce the gradients into device 0 (and across ranks);
+        unscale them (``scaler``, 16-mixed); clip their global norm to ``clip_norm``; step
+        ``optimizer`` on device 0's parameters; copy device 0's parameters to every other
+        device.
+
+        Args:
+            optimizer: built on ``named_master_parameters()`` (or ``master_parameters()``).
+            scaler: the ``GradScaler`` of a 16-mixed run, or None.
+            clip_norm: max global norm of the gradients, or None.
+            guard: a context the sequence runs in (see ``run_batch``).
+        """
+        update = self._update(optimizer, scaler, clip_norm)
+        with guard if guard is not None else contextlib.nullcontext():
+            if update.prepare(True):
+                update.apply()
+
+    def zero_grad(self) -> None:
+        """Zero the gradients on every device."""
+        update = self._update(None, None, None)
+        for d in range(len(self.devices)):
+            update.zero_device(d)
+
+    def reduce_gradients(self) -> None:
+        """Sum every device's gradients into device 0's (then across ranks)."""
+        self._update(None, None, None).reduce_gradients()
+
+    def sync_params(self) -> None:
+        """After an optimizer step on device 0, copy its parameters to every other device."""
+        self._update(None, None, None).broadcast_params()
+
+    def named_master_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Device 0's parameters by name, frozen ones too: bind the optimizer to these."""
+        return {name: block[0] for name, block in zip(self.param_names, self.param_arrays)}
+
+    def master_parameters(self) -> list[torch.nn.Parameter]:
+        """Device 0's trainable parameters: the ones the optimizer steps."""
+        return [block[0] for block, on in zip(self.param_arrays, self.trainable) if on]
+
+    def set_work_load_list(self, work_load_list: Sequence[float] | str | None) -> None:
+        """Each device's share of a batch from now on: a list (see ``split_input_slice``),
+        None for equal shares, or ``"auto"``: measured. With ``"auto"`` the steps bound
+        from now on time each device's share of every batch (load, forward, backward,
+        metrics), set the loads so the devices finish together, and measure again when
+        their times drift apart; ``work_load_list`` holds the loads in use, and each change
+        is logged (INFO, the ``fitdp`` logger). The update is the whole batch's whatever
+        the split."""
+        loads = check_work_load_arg(work_load_list, len(self.devices))
+        if isinstance(loads, str):  # "auto"
+            if self.balancer is None:
+                self.balancer = LoadBalancer(len(self.devices))
+                self.balancing = Balancing(self.balancer, self.devices)
+                self.use_loads(self.balancer.loads, None)
+            return
+        self.balancer = self.balancing = None
+        if loads != self.work_load_list:
+            self.use_loads(loads, None)
+
+    def use_loads(self, loads: list[float], seconds: Sequence[float] | None) -> None:
+        """Split batches by ``loads`` from now on (``seconds``: the device times that led
+        to them, logged)."""
+        self.work_load_list[:] = loads  # in place: whoever holds the list sees the loads
+        self._slices.clear()
+        if self._reserved:
+            self.reserve(self._reserved)
+        if seconds is not None:
+            self.logger.info("fitdp: work_load_list='auto' now %s on %s (device times %s ms "
+                             "per batch before)", loads, [str(d) for d in self.devices],
+                             [round(t * 1e3, 3) for t in seconds])
+
+    def measures(self) -> dict[str, Any] | None:
+        """What ``work_load_list="auto"`` has measured so far (its loads and window), plain
+        numbers for a checkpoint: a run resumed on the same devices then splits each batch
+        as the uninterrupted run does (the split is part of the arithmetic, so this is what
+        a bitwise resume needs). None: nothing measured (a list of loads)."""
+        if self.balancer is None:
+            return None
+        return {"devices": len(self.devices), "balancer": self.balancer.state_dict()}
+
+    def load_measures(self, state: Mapping[str, Any]) -> None:
+        """Go on from ``measures`` (a resume). Another number of devices measures anew; a
+        call with a list of loads keeps its list (no balancer to go on with)."""
+        if int(state["devices"]) != len(self.devices):
+            return
+        if self.balancer is not None and state.get("balancer") is not None:
+            self.balancer.load_state_dict(state["balancer"])
+            self.use_loads(self.balancer.loads, None)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -403,8 +608,21 @@ class DataParallelExecutorManager(StepMixin):
             # Weights and gradients are shared by every bucket: watch them once, on device 0.
             self.monitor.install(ex.module, bucket + dev, params=(group is self.execgrp and d == 0))
 
-    def _slices_for(self, rows: int) -> list[slice]:
+    def slices_for(self, rows: int) -> list[slice]:
+        """Each device's rows of a batch of ``rows`` (by the work loads in use)."""
         slices = self._slices.get(rows)
         if slices is None:
             slices = self._slices[rows] = device_slices(rows, self.work_load_list)
         return slices
+
+    def global_rows(self, local: int) -> int | torch.Tensor:
+        """This step's rows summed over the ranks (see ``weighing.global_rows``)."""
+        return global_rows(local, self.devices[0])
+
+    def weighing(self) -> Weighing:
+        """The weighing of this manager's slices (``fitdp.executor.weighing``), for what
+        ``compute`` counts now (a custom step learns it when bound to its model)."""
+        counter = getattr(self.compute, "counts", None)
+        if self._weighing.counter is not counter:
+            self._weighing = Weighing(counter, self.devices, self.distributed)
+        return self._weighing

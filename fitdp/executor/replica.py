@@ -5,8 +5,9 @@ The loss of a slice goes through one bound callable, ``compute(executor, trainin
 (``Executor.run``) and returns the slice's mean loss (or None) with the outputs. The default
 is ``ModuleLoss``: forward, then compile's loss on the valid (not padding) rows, with the
 slice's sample weights. A custom training step or a loss that says what it averages over
-replaces it without touching the per-replica routine (``fitdp.executor.per_replica``); the executor
-then weighs the loss by the slice's share and keeps it for the logs.
+replaces it without touching the per-replica routine (``fitdp.executor.step``); the executor
+then weighs the loss by the slice's share (``fitdp.executor.weighing``) and keeps it for the
+logs.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from fitdp.executor.compile_config import (
     raise_recompile_limit,
 )
 from fitdp.executor.engine import empty_share
+from fitdp.executor.weighing import weighted
 
 # (outputs, targets) -> scalar mean loss; called (outputs, targets, sample_weight) when the
 # batch carries per-sample weights.
@@ -56,15 +58,6 @@ def call_module(fn: Callable[..., Any], inputs: Any, kwargs: Mapping[str, Any] |
     if isinstance(inputs, (tuple, list)):
         return fn(*inputs, **kwargs)
     return fn(inputs, **kwargs)
-
-
-def slice_count(counter: Callable[..., Any], data: Any, labels: Any) -> torch.Tensor | None:
-    """What a slice's mean loss divides by: ``counter(data, labels)`` for the items of
-    ``compile(loss_items=...)`` (``reads_inputs``: a Hugging Face batch holds its labels),
-    ``counter(labels)`` for a loss that counts its targets (None without targets)."""
-    if getattr(counter, "reads_inputs", False):
-        return counter(data, labels)
-    return None if labels is None else counter(labels)
 
 
 def per_row_outputs(outputs: Any) -> Any:
@@ -152,16 +145,9 @@ class Executor:
         self._autocast: torch.dtype | None = None  # this forward's (a compiled graph's key)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.loss_count = torch.zeros((), dtype=torch.float64, device=device)
+        # Each step's detached loss and count, folded into the sums at the next log point:
+        # no host sync per step, on any device.
         self.pending_losses: list[tuple[torch.Tensor, int | torch.Tensor]] = []
-        # On the CPU each step's loss is read at once (``item`` waits for nothing there) and
-        # summed as a number; kept as a tensor until the log point, it costs more than the
-        # read (measured, see ``fold_losses``). Elsewhere the losses wait as tensors: no host
-        # sync per step.
-        self.host_losses = device.type == "cpu"
-        # A CPU replica without buckets takes a batch's CPU tensors as they are (``load``).
-        self.direct = device.type == "cpu" and not warn_on_grow
-        self._host_sum = self._host_count = 0.0
-        self._clean: tuple[torch.Tensor, int] | None = None  # labels with no target ignored
 
     def _buffer(self, name: str, src: torch.Tensor) -> torch.Tensor:
         """A view of the shared input buffer shaped like ``src``, re-allocated when too small."""
@@ -197,15 +183,9 @@ class Executor:
         """Copy this device's slice of the batch (and its per-sample loss weights, if any)
         into the input buffers (non-blocking); ``axis`` is the batch axis, ``rows`` the
         slice's rows when the caller knows them (else read from the inputs)."""
-        if (self.direct and data.__class__ is torch.Tensor and data.is_cpu and weight is None
-                and (label is None or label.__class__ is torch.Tensor and label.is_cpu)):
-            # The common case on one CPU replica: the batch's own tensors, no copy and no
-            # tree walk (every step).
-            self.inputs, self.labels, self.weights = data, label, None
-        else:
-            self.inputs = self._stage(data, "data")
-            self.labels = None if label is None else self._stage(label, "label")
-            self.weights = None if weight is None else self._stage(weight, "weight")
+        self.inputs = self._stage(data, "data")
+        self.labels = None if label is None else self._stage(label, "label")
+        self.weights = None if weight is None else self._stage(weight, "weight")
         self.axis, self.valid = axis, valid
         if rows is None:
             inputs = self.inputs
@@ -239,9 +219,8 @@ class Executor:
         """Run ``compute`` (default: the replica alone, no loss) on the slice; keep its
         outputs, and its loss weighted by ``weight`` for backward.
 
-        ``count`` is what the slice's mean loss divides by (default: its valid rows; the
-        non-ignored targets of a loss with an ignore index): the logged loss weighs each
-        slice by it."""
+        ``count`` is what the slice's mean loss divides by (``fitdp.executor.weighing``;
+        default: its valid rows): the logged loss weighs each slice by it."""
         self.loss = None
         if self.rows == 0:  # a short final batch left this device idle
             self.outputs = None
@@ -257,73 +236,27 @@ class Executor:
                         if autocast_dtype is not None else _NULL)
             with torch.set_grad_enabled(is_train), autocast:
                 loss, outputs = compute(self, is_train)
-        if outputs.__class__ is not torch.Tensor:  # a ModelOutput: its per-row tensors
+        if not isinstance(outputs, torch.Tensor):  # a ModelOutput: its per-row tensors
             outputs = per_row_outputs(outputs)
         self.outputs = outputs
         if loss is None:
             return outputs
-        if loss.__class__ is not torch.Tensor or loss.dim():
+        if not isinstance(loss, torch.Tensor) or loss.dim():
             check_loss(loss)  # a tensor subclass passes; anything else is the user's error
-        if count is None:  # the logged loss weighs the slice by what it means over
-            count = self._logged_count(compute)
-        if self.host_losses:
-            n = count if count.__class__ is int else float(count)
-            self._host_sum += loss.item() * n
-            self._host_count += n
-        else:
-            self.pending_losses.append((loss.detach(), count))
-            if len(self.pending_losses) >= 256:  # bound the list between log points
-                self.fold_losses()
-        self.loss = loss if weight.__class__ is float and weight == 1.0 else loss * weight
+        if count is None:
+            count = self.valid
+        self.pending_losses.append((loss.detach(), count))
+        if len(self.pending_losses) >= 256:  # bound the list between log points
+            self.fold_losses()
+        self.loss = weighted(loss, weight)
         return outputs
-
-    def _logged_count(self, compute: Compute) -> int | torch.Tensor:
-        """What the logged loss weighs this slice by when the caller gave no count: the
-        items of ``compile(loss_items=...)``, the targets a counted loss means over
-        (per-token labels padded with -100), else the valid rows; so the logged loss is the
-        same on one device as on several.
-
-        The labels' base tensor (an in-memory source's epoch labels) is counted once while
-        it is unchanged: with no target ignored, rows weigh as tokens, and no op is made
-        per step."""
-        labels = self.labels
-        counter = getattr(compute, "counts", None)
-        if getattr(counter, "reads_inputs", False):  # compile(loss_items=...): the items
-            items = counter(self.valid_rows(self.inputs), self.valid_rows(labels))  # type: ignore[misc]
-            return self.valid if items is None else items
-        if self.weights is not None or labels is None:
-            return self.valid  # sample weights mean over rows (Keras's sum_over_batch_size)
-        if not isinstance(labels, torch.Tensor):
-            # A tree of targets (a tuple) is counted as the loss says, as ``weigh`` counts
-            # each slice's on several devices: the same logged loss on any device count.
-            counted = None if counter is None else counter(self.valid_rows(labels))
-            return self.valid if counted is None else counted
-        base = labels._base
-        if base is None:
-            base = labels
-        clean = self._clean
-        if clean is not None and clean[0] is base and clean[1] == base._version:
-            return self.valid
-        if counter is None:
-            return self.valid
-        if self.valid < self.rows:
-            labels = self.valid_rows(labels)
-        whole = counter(base)
-        if whole is None:
-            return self.valid
-        if not whole.is_floating_point() and int(whole) == base.numel():
-            self._clean = (base, base._version)
-            return self.valid
-        return whole if labels is base else counter(labels)
 
     def module_outputs(self, is_train: bool, kwargs: Mapping[str, Any] | None = None) -> Any:
         """The replica's outputs on the staged inputs (under the caller's grad mode), with
         the keyword arguments ``kwargs`` (``compile(forward_kwargs=...)``)."""
         if self.compiled or self.inputs_need_grad:
             return self._call(is_train, self._autocast, kwargs)
-        inputs = self.inputs  # the common case, without _call's and call_module's checks
-        return self.fn(inputs) if inputs.__class__ is torch.Tensor and not kwargs else \
-            call_module(self.fn, inputs, kwargs)
+        return call_module(self.fn, self.inputs, kwargs)
 
     def signature(self, is_train: bool, autocast_dtype: torch.dtype | None) -> Hashable:
         """What a static compiled graph is specialised on: mode and input shapes and dtypes."""
@@ -395,28 +328,14 @@ class Executor:
 
     def fold_losses(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of per-row losses, rows) so far, as device tensors (no host sync); folds the
-        batches' losses kept since the last call into the running sums (one op per log
-        point instead of one per step).
-
-        On the CPU the steps' losses were summed as numbers (``host_losses``): two additions
-        here. Measured (``Model.fit`` of an ``nn.Linear(4, 2)``, SGD, batch 4, one CPU device,
-        against a hand loop, medians of 5 processes): 41 us per step over the hand loop when
-        each step's detached loss was kept for the log point, 27 us reading it with ``item``;
-        in an inlined step, keeping it cost 11-18 us and reading it 5."""
-        if self._host_count or self._host_sum:
-            self.loss_sum += self._host_sum
-            self.loss_count += self._host_count
-            self._host_sum = self._host_count = 0.0
+        batches' losses kept since the last call into the running sums, in batch order (a
+        few ops per log point, not per step)."""
         pending = self.pending_losses
         if pending:
-            # A few ops for all the batches, not some per batch (they add up on tiny models).
             losses = torch.stack([loss for loss, _ in pending]).double()
-            sizes = [n for _, n in pending]
-            counts = (torch.tensor(sizes, dtype=torch.float64, device=self.device)
-                      if all(n.__class__ is int for n in sizes) else
-                      torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
-                                   for n in sizes]))
-            self.loss_sum += (losses * counts).sum()
+            counts = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
+                                  for _, n in pending])
+            self.loss_sum += (losses * counts).cumsum(0)[-1]  # in order, as one device sums
             self.loss_count += counts.sum()
             self.pending_losses = []
         return self.loss_sum, self.loss_count
@@ -425,7 +344,6 @@ class Executor:
         self.loss_sum.zero_()
         self.loss_count.zero_()
         self.pending_losses = []
-        self._host_sum = self._host_count = 0.0
 
 
 class ModuleLoss:

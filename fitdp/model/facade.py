@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fitdp.call.custom_step import CustomStep
+from fitdp.call.interrupts import GUARD, Preempted
 from fitdp.call.modes import Modes
 from fitdp.call.monitor import Monitor
 from fitdp.call.plan import CallPlan, FitPlan, legacy_data, plan_call, plan_fit
@@ -29,7 +30,6 @@ from fitdp.data.sequence import PAD_VALUE, check_pad_args
 from fitdp.executor.checks import check_bucket_module
 from fitdp.executor.devices import DevicesArg
 from fitdp.executor.engines import Strategy
-from fitdp.executor.interrupts import GUARD, Preempted
 from fitdp.model.extras import ModelExtras, keras_logs
 from fitdp.model.lr_finder import LRFinding
 from fitdp.model.saving import ModelIO

@@ -13,7 +13,6 @@ from fitdp.call.plan import FitPlan
 from fitdp.checks import check_choice, check_path, fail
 from fitdp.compiled.setup import PRECISIONS
 from fitdp.data.sources import SourcePlan
-from fitdp.executor.fence import hold, wait_for_snapshots
 from fitdp.executor.sharded_io import nonfinite_names
 from fitdp.saving.async_writer import AsyncCheckpointWriter
 from fitdp.saving.checkpoint import CheckpointError, save_checkpoint
@@ -29,6 +28,7 @@ from fitdp.saving.entries import (
     warn_skipped,
 )
 from fitdp.saving.export import export_module
+from fitdp.saving.fence import fence_steps, hold, wait_for_snapshots
 from fitdp.saving.sharded import (
     existing_checkpoint,
     read_state,
@@ -206,6 +206,8 @@ class ModelIO:
                 self._writer = AsyncCheckpointWriter()
             self._writer.submit(path, state, defer=self._stepped_tensors())
             hold(self._writer.copied)
+            if self._replicas is not None:  # its next optimizer step waits for the copy
+                fence_steps(self._replicas.manager.before_step)
         else:
             self.wait_for_saves()  # files land in the order they were asked for
             save_checkpoint(path, state)

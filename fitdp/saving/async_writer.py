@@ -6,7 +6,7 @@ returns; a background thread writes the same file :func:`fitdp.saving.checkpoint
 would, with the same atomic write. Tensors named in ``submit(..., defer=...)`` (the weights and
 optimizer state, which only the next optimizer step changes) are copied by that thread instead,
 while the caller runs the next forward and backward; whatever changes them first waits for
-``copied`` (``Model`` does this through :mod:`fitdp.executor.fence`). The GIL-heavy part
+``copied`` (``Model`` does this through :mod:`fitdp.saving.fence`). The GIL-heavy part
 of a save (torch's CRC pass over every byte) is not done on that thread: ``fitdp.saving.seal``
 computes CRCs with ``zlib``, which releases the GIL, so training threads keep running while
 the file is written.

@@ -13,7 +13,7 @@ from torch import nn
 import fitdp
 from fitdp.callbacks import Profiler
 from fitdp.executor import DataParallelExecutorManager
-from fitdp.executor.per_replica import NAMED_PHASES, PHASES
+from fitdp.executor.step import NAMED_PHASES, PHASES
 from fitdp.executor.update import NamedUpdate, Update
 
 PHASE_NAMES = {"fitdp.load", "fitdp.forward", "fitdp.backward", "fitdp.metrics",

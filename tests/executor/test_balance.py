@@ -1,21 +1,19 @@
-"""work_load_list="auto" (LoadBalancer) and the slow-replicas check, from injected timings
-and from replicas slowed on purpose."""
+"""work_load_list="auto" (LoadBalancer), from injected timings and from replicas slowed on
+purpose."""
 
 from __future__ import annotations
 
 import logging
 import time
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from fitdp.checks import FitdpWarning
 from fitdp.compiled.losses import Objective
 from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
-from fitdp.executor.balance import LoadBalancer, SlowReplicaCheck
+from fitdp.executor.balance import LoadBalancer
 from fitdp.executor.slicing import split_input_slice
 
 
@@ -54,61 +52,6 @@ def test_no_device_is_left_without_rows():
     assert rows[0] > 16 and rows[1] >= 1  # still gets rows, so it is measured again
 
 
-def test_slow_replicas_are_reported_with_both_times():
-    check = SlowReplicaCheck(warmup=1, probes=2)
-    assert not check.serial_next()
-    check.record(False, 9.0)  # warm-up
-    seen = []
-    while not check.done:
-        serial = check.serial_next()
-        seen.append(serial)
-        verdict = check.record(serial, 0.001 if serial else 0.003)
-    assert seen == [True, False, False, True]  # pairs next to each other, order alternating
-    assert verdict == (0.003, 0.001)
-
-
-def _drive(check: SlowReplicaCheck, seconds) -> tuple[float, float] | None:
-    """Feed ``check`` ``seconds(batch, serial)`` until it decides; its verdict."""
-    batch, verdict = 0, None
-    while not check.done:
-        serial = check.serial_next()
-        verdict = check.record(serial, seconds(batch, serial))
-        batch += 1
-    return verdict
-
-
-def test_the_verdict_does_not_flip_when_the_machine_gets_busy():
-    """Regression: the README's example warned "one replica would train faster" on a busy
-    machine: the serial batches were all measured first and the ones at once after them,
-    so a load that arrived in between (3x slower here) made replicas that pay look slow."""
-    def seconds(batch: int, serial: bool) -> float:
-        load = 3.0 if batch >= 8 else 1.0
-        return load * (0.001 if serial else 0.0008)  # at once 20% faster, at any load
-
-    assert _drive(SlowReplicaCheck(), seconds) is None
-    # Slower at once stays reported under the same change of load.
-    verdict = _drive(SlowReplicaCheck(), lambda b, s: (3.0 if b >= 8 else 1.0) * (
-        0.001 if s else 0.002))
-    assert verdict is not None and verdict[0] > verdict[1]
-
-
-def test_a_few_disturbed_batches_do_not_decide():
-    """Two pairs where another process stole the cores from the batches at once: not a
-    verdict, when the other pairs show replicas that pay."""
-    def seconds(batch: int, serial: bool) -> float:
-        if not serial and batch in (6, 9, 10):
-            return 0.01  # disturbed
-        return 0.001 if serial else 0.0007
-
-    assert _drive(SlowReplicaCheck(), seconds) is None
-
-
-def test_replicas_faster_together_are_not_reported():
-    check = SlowReplicaCheck(warmup=0, probes=1)
-    check.record(True, 0.004)
-    assert check.record(False, 0.0025) is None and check.done
-
-
 class PerRowDelay(nn.Module):
     """A replica that takes ``delay`` seconds per row (sleeping: a device that slow)."""
 
@@ -129,7 +72,6 @@ def test_auto_loads_balance_a_slowed_replica_and_keep_the_whole_batch_update(cap
     ref.load_state_dict(host.state_dict())
     mgr = DataParallelExecutorManager(host, ["cpu", "cpu"], work_load_list="auto",
                                       loss=Objective("cross_entropy"))
-    mgr._speed_check = None
     # Half a ms per row: a share takes 10-40 ms, well above the few ms a thread waits for
     # a core on a loaded 2-core machine (at 0.1 ms per row it failed 1 run in 4 at load 6).
     mgr.execgrp.executors[0].module.delay = 0.0005
@@ -159,44 +101,8 @@ def test_auto_is_checked_and_turned_off():
     assert mgr.balancer is not None and mgr.work_load_list == [1.0, 1.0]
     mgr.set_work_load_list([1, 3])
     assert mgr.balancer is None and mgr.work_load_list == [1.0, 3.0]
-    assert mgr._slices_for(8) == [slice(0, 2), slice(2, 8)]
+    assert mgr.slices_for(8) == [slice(0, 2), slice(2, 8)]
     # A string of the wrong value is a ValueError since a4448f8 (right type, wrong value).
     with pytest.raises(ValueError, match="work_load_list: got 'Auto'; expected 'auto'"):
         mgr.set_work_load_list("Auto")
     mgr.close()
-
-
-def test_the_slow_replicas_warning_comes_once_from_fit(monkeypatch):
-    import fitdp
-    from fitdp.executor.group import DataParallelExecutorGroup
-
-    # Injected timings: one after another 1 ms per batch, at once 2.5 ms.
-    monkeypatch.setattr(DataParallelExecutorGroup, "section_seconds",
-                        lambda self, serial: 0.001 if serial else 0.0025)
-    model = fitdp.Model(nn.Linear(4, 3))
-    model.compile(optimizer="sgd", loss="cross_entropy")
-    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model.fit(x, y, batch_size=8, epochs=3, devices=["cpu", "cpu"], verbose=0)
-        model.fit(x, y, batch_size=8, devices=["cpu", "cpu"], verbose=0)  # same replicas
-    slow = [w for w in caught if issubclass(w.category, FitdpWarning)]
-    assert len(slow) == 1, [str(w.message) for w in slow]
-    text = str(slow[0].message)
-    assert "2.500 ms" in text and "1.000 ms" in text and "devices=['cpu']" in text
-    model.close()
-
-
-def test_no_warning_when_replicas_help(monkeypatch):
-    import fitdp
-    from fitdp.executor.group import DataParallelExecutorGroup
-
-    monkeypatch.setattr(DataParallelExecutorGroup, "section_seconds",
-                        lambda self, serial: 0.002 if serial else 0.0011)
-    model = fitdp.Model(nn.Linear(4, 3))
-    model.compile(optimizer="sgd", loss="cross_entropy")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FitdpWarning)
-        model.fit(torch.randn(64, 4), torch.randint(0, 3, (64,)), batch_size=8, epochs=3,
-                  devices=["cpu", "cpu"], verbose=0)
-    model.close()

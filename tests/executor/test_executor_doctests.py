@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-MODULES = ["balance", "flat_buckets", "group", "interrupts", "manager",
-           "per_replica", "replica", "sharded_step", "slicing", "update", "workers",
-           "local_reduce", "ddp", "fsdp"]
+MODULES = ["balance", "flat_buckets", "group", "manager", "replica", "slicing", "step",
+           "update", "weighing", "workers", "local_reduce", "ddp", "fsdp"]
 
 
 @pytest.mark.parametrize("name", MODULES)

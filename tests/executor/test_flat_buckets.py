@@ -40,14 +40,14 @@ def test_reduce_sums_every_device_once_and_broadcast_copies_device_0():
         for e, p in zip(expected, m.parameters()):
             e += p.grad
     update = Update(fb, list(mods[0].parameters()), None)
-    update.reduce_shard(0)
-    update.reduce_shard(0)  # a second reduce adds nothing: the sources were zeroed
+    update.reduce_gradients()
+    update.reduce_gradients()  # a second reduce adds nothing: the sources were zeroed
     for e, p in zip(expected, mods[0].parameters()):
         torch.testing.assert_close(p.grad, e)
     with torch.no_grad():
         for p in mods[0].parameters():
             p.add_(1.0)
-    update.broadcast_shard(0)
+    update.broadcast_params()
     for m in mods[1:]:
         for a, b in zip(m.parameters(), mods[0].parameters()):
             assert torch.equal(a, b)

@@ -17,8 +17,9 @@ from fitdp.call.replicas import Placement, Replicas
 from fitdp.compiled.losses import Objective
 from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
-from fitdp.executor.per_replica import Job, weigh
 from fitdp.executor.replica import Executor
+from fitdp.executor.step import Job
+from fitdp.executor.weighing import Weighing
 
 
 def dropout_manager(devices: list[str] | None = None) -> DataParallelExecutorManager:
@@ -166,7 +167,7 @@ def test_a_rows_total_on_device_0_weighs_each_slice_on_its_own_device():
     job = Job(executors)
     b = batch(8)
     job.set(b, 8, 0, [slice(0, 3), slice(3, 8)])
-    weigh(job, torch.tensor(16.0), None, None)
+    Weighing(None, [ex.device for ex in executors], ranks=True).weigh(job, torch.tensor(16.0))
     assert [float(w) for w in job.weights] == [3 / 16, 5 / 16]
     assert all(w.device == ex.device for w, ex in zip(job.weights, executors))
 
@@ -178,7 +179,8 @@ def test_rows_weights_follow_their_cuda_devices():
                  for d in range(2)]
     job = Job(executors)
     job.set(batch(8), 8, 0, [slice(0, 4), slice(4, 8)])
-    weigh(job, torch.tensor(16.0, device="cuda:0"), None, None)
+    Weighing(None, [ex.device for ex in executors], ranks=True).weigh(
+        job, torch.tensor(16.0, device="cuda:0"))
     assert [w.device for w in job.weights] == [torch.device("cuda:0"), torch.device("cuda:1")]
 
 

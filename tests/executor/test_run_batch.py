@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from fitdp.call.interrupts import GUARD
 from fitdp.compiled.losses import Objective
 from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
-from fitdp.executor.interrupts import GUARD
 
 
 def net(dropout: float = 0.0) -> nn.Module:
@@ -38,8 +38,6 @@ def managers(devices: list[str], loads: list[float] | None, dropout: float = 0.0
     loss = Objective("cross_entropy")
     made = [DataParallelExecutorManager(net(dropout), devices, work_load_list=loads, loss=loss)
             for _ in range(2)]
-    for m in made:
-        m._speed_check = None  # this file compares numbers; the timing probe has its tests
     return made[0], made[1]
 
 
@@ -60,13 +58,10 @@ def weights(mgr: DataParallelExecutorManager) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("devices,loads", [(["cpu"], None), (["cpu", "cpu"], None),
                                            (["cpu"] * 3, [1.0, 2.0, 3.0])])
-@pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam])
 @pytest.mark.parametrize("ignored", [False, True], ids=["rows", "counted"])
-def test_run_batch_is_bitwise_the_stepwise_calls(devices, loads, shard, opt_cls, ignored):
+def test_run_batch_is_bitwise_the_stepwise_calls(devices, loads, opt_cls, ignored):
     a, b = managers(devices, loads)
-    # sharded: the update split over the threads (whatever the model's size, for the test)
-    b._shardable = shard and len(devices) > 1
     opts = [opt_cls(m.master_parameters(), lr=0.05) for m in (a, b)]
     accum = 2  # two batches per optimizer step: zeroing and accumulating both run
     for i, batch in enumerate(batches(6, ignored=ignored)):
@@ -110,31 +105,6 @@ def test_dropout_replicas_draw_in_device_order_and_reproduce():
     for other in runs[1:]:
         for x, y in zip(runs[0], other):
             assert torch.equal(x, y)
-
-
-class Serial:
-    """A slow-replicas probe that asks for every share on the caller's thread."""
-
-    done = False
-
-    def serial_next(self) -> bool:
-        return True
-
-    def record(self, serial: bool, seconds: float) -> None:
-        self.seconds = seconds
-
-
-def test_serial_shares_give_the_same_numbers():
-    a, b = managers(["cpu", "cpu"], [1.0, 2.0])
-    b._shardable = True  # the sharded step, run on this thread after serial shares
-    opts = [torch.optim.Adam(m.master_parameters(), lr=0.01) for m in (a, b)]
-    probe = b._speed_check = Serial()
-    for batch in batches(3, ignored=True):
-        a.run_batch(batch, True, zero_grad=True, optimizer=opts[0])
-        b.run_batch(batch, True, zero_grad=True, optimizer=opts[1])
-        assert probe.seconds == pytest.approx(sum(b.execgrp.times))
-    for x, y in zip(weights(a), weights(b)):
-        assert torch.equal(x, y)
 
 
 class FailsOnDevice1(nn.Module):
@@ -187,7 +157,8 @@ def test_ctrl_c_during_the_batch_is_raised_after_its_optimizer_step():
     before = weights(mgr)
     mgr.execgrp.executors[0].module.armed = True
     with GUARD.installed(), pytest.raises(KeyboardInterrupt):
-        mgr.run_batch(batches(1)[0], True, zero_grad=True, optimizer=opt)
+        mgr.run_batch(batches(1)[0], True, zero_grad=True, optimizer=opt,
+                      guard=GUARD.critical())
     after = [[p.detach() for p in row] for row in mgr.param_arrays]
     assert not torch.equal(before[0], after[0][0])  # the step happened, whole
     for row in after:
@@ -196,10 +167,9 @@ def test_ctrl_c_during_the_batch_is_raised_after_its_optimizer_step():
 
 
 def test_views_follow_a_scheduler_and_a_loaded_state():
-    """The sharded step's optimizer views are made once: a new learning rate or a loaded
-    state dict must still reach every shard."""
+    """The step's update is bound once per call: a new learning rate or a loaded state
+    dict must still reach the optimizer step it takes."""
     a, b = managers(["cpu", "cpu"], None)
-    b._shardable = True
     opts = [torch.optim.Adam(m.master_parameters(), lr=0.01) for m in (a, b)]
     data = batches(4)
     for i, batch in enumerate(data):

@@ -46,12 +46,11 @@ def test_cpu_balancer_gets_each_batch_host_times_in_that_batch(monkeypatch):
     monkeypatch.setattr(LoadBalancer, "record", spy)
     mgr = DataParallelExecutorManager(nn.Linear(5, 3), ["cpu", "cpu"], work_load_list="auto",
                                       loss=Objective("cross_entropy"))
-    mgr._speed_check = None
     g = torch.Generator().manual_seed(0)
     for i in range(4):
         x, y = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
         mgr.run_batch(DataBatch(x, y), True)
-        assert len(seen) == i + 1 and seen[-1] == ([8, 8], mgr.execgrp.times)
+        assert len(seen) == i + 1 and seen[-1] == ([8, 8], mgr.balancing.times)
         assert min(seen[-1][1]) > 0
     mgr.close()
 

@@ -1,0 +1,314 @@
+"""The step of a call, bound once (``Step``), and the routine each device runs on its slice.
+
+Like Keras's ``make_train_function``, ``DataParallelExecutorManager.bind_step`` builds one
+``Step`` from what a call fixes: training or not, the ``Update`` (optimizer, scaler,
+clipping; none in evaluation), the loss scale, the metric, named ranges for a profiler, and
+``work_load_list="auto"`` (``Balancing``, bound only then). Per batch it is told only what
+changes per batch: the batch, whether it zeroes the gradients first (the first batch of an
+optimizer step), whether it ends with the step, and its rows.
+
+``device_share(job, d)`` is the one routine every device runs, one device or many, CPU or
+GPU, ranks or not, buckets or not: zero (the first batch of an optimizer step), load the
+slice, forward and loss (through the bound ``compute``, see ``fitdp.executor.replica``),
+backward, metric update. A batch is one hand-off of it to every device
+(``DeviceWorkers.run``); the optimizer step (``Update.apply``) follows on the caller. The
+MXNet-style manager calls (``load_data_batch``, ``forward``, ``backward``, ``update_metric``)
+run its phases one at a time on every device (``Step.phase``). What each slice's loss weighs
+is decided by ``fitdp.executor.weighing``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from fitdp.data.batch import DataBatch, batch_labels, checked_rows, take_rows
+from fitdp.executor.engine import Engine
+from fitdp.executor.replica import Compute, Executor
+from fitdp.executor.update import Update
+from fitdp.executor.weighing import Weighing
+
+Scale = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Job:
+    """One batch's work on one group's executors, read by every device thread, set before
+    the hand-off (kept until the next: the executors hold the batch's inputs anyway).
+
+    Example:
+        >>> job = Job([Executor(torch.nn.Linear(2, 1), torch.device("cpu"), {})])
+        >>> job.valid
+        [0]
+    """
+
+    def __init__(self, executors: Sequence[Executor]) -> None:
+        n = len(executors)
+        self.executors = list(executors)
+        self.turn = [threading.Event() for _ in range(n)]  # forwards in device order
+        self.weights: list[Any] = [1.0] * n
+        self.counts: list[Any] = [None] * n
+        self.valid = [0] * n
+        self.in_turn = False
+        self.step_turns = False  # the compute takes the turns itself (``group.begin_turns``)
+        self.batch: Any = None
+        self.slices: list[slice] = []
+        self.load, self.axis = True, 0
+        self.step: Step | None = None  # the bound step this batch runs
+        self.metric_labels: Any = None  # labels given to ``update_metric`` (None: the batch's)
+        self.update: Update | None = None  # the update that zeroes first, or None
+
+    def set(self, batch: DataBatch, rows: int, axis: int, slices: list[slice]) -> None:
+        """This batch, its rows, batch axis and slices; each device's valid rows."""
+        self.batch, self.slices, self.axis, self.load = batch, slices, axis, True
+        self.metric_labels = None
+        end = rows - batch.pad
+        for d, sl in enumerate(slices):
+            self.valid[d] = max(0, min(sl.stop, end) - sl.start)
+
+    def load_all(self) -> None:
+        """Every device's slice loaded now, on this thread (counts read the slices)."""
+        if self.load:
+            for d in range(len(self.executors)):
+                load_share(self, d)
+            self.load = False
+
+
+# -- the per-replica routine ----------------------------------------------------------------
+
+def load_share(job: Job, d: int) -> None:
+    """Copy device ``d``'s slice of the batch into its input buffers."""
+    batch, sl, axis = job.batch, job.slices[d], job.axis
+    data, label, weight = batch.data, batch.label, batch.sample_weight
+    if len(job.slices) > 1:
+        data = take_rows(data, sl, axis)
+        label = None if label is None else take_rows(label, sl, axis)
+        weight = None if weight is None else weight[sl]  # one per sample, batch-first
+    job.executors[d].load(data, label, job.valid[d], weight, axis, sl.stop - sl.start)
+
+
+def forward_share(job: Job, d: int) -> None:
+    """Forward and loss on device ``d``; in turn (after device ``d - 1``'s forward) when the
+    replicas share a generator and draw from it."""
+    step: Step = job.step  # type: ignore[assignment]
+    ex = job.executors[d]
+    if not job.in_turn:
+        ex.forward(step.is_train, step.compute, job.weights[d], step.autocast, job.counts[d])
+        return
+    try:
+        if d:
+            job.turn[d - 1].wait()
+        ex.forward(step.is_train, step.compute, job.weights[d], step.autocast, job.counts[d])
+    finally:
+        job.turn[d].set()  # also on failure: the next device never waits for ever
+
+
+def backward_share(job: Job, d: int) -> None:
+    """Backward of device ``d``'s weighted loss (gradients add into its buckets)."""
+    job.executors[d].backward(job.step.scale)  # type: ignore[union-attr]
+
+
+def metric_share(job: Job, d: int) -> None:
+    """Device ``d``'s clone of the step's metric (a ``DeviceMetrics``) updated with its valid
+    outputs and labels, on its thread."""
+    ex = job.executors[d]
+    labels = ex.labels if job.metric_labels is None else take_rows(
+        job.metric_labels, job.slices[d], ex.axis)
+    outputs = ex.outputs
+    if isinstance(outputs, dict) and "logits" in outputs:  # a Hugging Face model's
+        hf_labels = batch_labels(ex.inputs, labels)  # (in the batch dict, or y)
+        if isinstance(hf_labels, torch.Tensor):
+            outputs, labels = outputs["logits"], hf_labels
+    if ex.valid > 0 and labels is not None:
+        axes = ex.output_axes(outputs)
+        metric = job.step.metric  # type: ignore[union-attr]
+        metric.update(d, take_rows(outputs, slice(0, ex.valid), axes), ex.valid_rows(labels),
+                      ex.valid_rows(ex.weights), axes)
+
+
+def device_share(job: Job, d: int) -> None:
+    """Device ``d``'s share of the batch: zero, load, forward, backward, metric."""
+    step: Step = job.step  # type: ignore[assignment]
+    phases = step.phases
+    try:
+        update = job.update
+        if update is not None:  # the first batch of an optimizer step
+            update.zero_device(d)
+        if job.load:
+            phases.load(job, d)
+        phases.forward(job, d)
+    finally:
+        if job.in_turn:
+            job.turn[d].set()  # a load that failed never leaves the next device waiting
+    if step.is_train:
+        phases.backward(job, d)
+    if step.metric is not None:
+        phases.metric(job, d)
+
+
+class Phases(NamedTuple):
+    """The phases ``device_share`` runs, each ``phase(job, d)``: the plain functions, or
+    the same in ``torch.profiler.record_function`` ranges (``NAMED_PHASES``)."""
+
+    load: Callable[[Job, int], None]
+    forward: Callable[[Job, int], None]
+    backward: Callable[[Job, int], None]
+    metric: Callable[[Job, int], None]
+
+
+def named(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside a ``torch.profiler.record_function(name)`` range: a named span in
+    a profiler's trace (only a call that a profiler records binds these)."""
+    @functools.wraps(fn)
+    def ranged(*args: Any) -> Any:
+        with torch.profiler.record_function(name):
+            return fn(*args)
+
+    return ranged
+
+
+PHASES = Phases(load_share, forward_share, backward_share, metric_share)
+NAMED_PHASES = Phases(*(named(f"fitdp.{name}", fn) for name, fn in zip(
+    ("load", "forward", "backward", "metrics"), PHASES)))
+
+
+# -- the bound step ---------------------------------------------------------------------------
+
+class Group(Protocol):
+    """What a step reads of an executor group (``fitdp.executor.group``, which runs this
+    module's routine: named here by what it does, not imported)."""
+
+    @property
+    def job(self) -> Job: ...
+
+    @property
+    def shares(self) -> Sequence[Callable[[], None]]: ...
+
+    @property
+    def executors(self) -> Sequence[Executor]: ...
+
+    @property
+    def workers(self) -> Any: ...
+
+    def dispatch(self, tasks: Sequence[Callable[[], None]]) -> None: ...
+
+
+class Timing(Protocol):
+    """A hand-off whose shares are timed (``fitdp.executor.balance.Balancing``)."""
+
+    def dispatch(self, group: Group) -> tuple[list[float], list[float]] | None: ...
+
+
+class Manager(Protocol):
+    """What a step reads of its manager (``DataParallelExecutorManager``)."""
+
+    compute: Compute
+    autocast_dtype: torch.dtype | None
+    distributed: bool
+    loss: Any
+    bucket_module: Any
+    engine: Engine
+
+    @property
+    def execgrp(self) -> Group: ...
+
+    def group_of(self, data_batch: DataBatch, checked: bool = False) -> Group: ...
+
+    def slices_for(self, rows: int) -> list[slice]: ...
+
+    def global_rows(self, local: int) -> int | torch.Tensor: ...
+
+    def use_loads(self, loads: list[float], seconds: Sequence[float] | None) -> None: ...
+
+    def weighing(self) -> Weighing: ...
+
+
+class Step:
+    """One call's step, bound once (see the module docstring).
+
+    Args:
+        mgr: the manager whose replicas it runs.
+        is_train: train (backward, and the update's zeroing and step) or only forward.
+        update: the training update (None: evaluation).
+        scale: multiplies each loss before backward (a ``GradScaler``'s ``scale``), or None.
+        metric: a ``DeviceMetrics`` each device updates with its slice, or None.
+        named: run the phases in named ranges for a profiler (``NAMED_PHASES``).
+        balancing: ``work_load_list="auto"``'s timing of each share, or None.
+    """
+
+    def __init__(self, mgr: Manager, is_train: bool, update: Update | None,
+                 scale: Scale | None, metric: Any, named: bool = False,
+                 balancing: Timing | None = None) -> None:
+        self.mgr = mgr
+        self.is_train, self.update = is_train, update
+        self.scale, self.metric = scale, metric
+        self.phases = NAMED_PHASES if named else PHASES
+        self.compute: Compute = mgr.compute
+        self.autocast = mgr.autocast_dtype
+        self.weighing: Weighing = mgr.weighing()
+        # Ranks' batches may differ in size: the rows of a step are summed over the ranks.
+        self.rows_over_ranks = mgr.distributed and is_train and mgr.loss is not None
+        # Told whether each training batch steps (DDP reduces in backward on that batch).
+        self.engine: Engine | None = mgr.engine if is_train else None
+        self.balancing = balancing
+        # The one group, without buckets; with them, the batch's (made on first sight).
+        self.group = mgr.execgrp if mgr.bucket_module is None else None
+        self.samples = 0  # rows run so far, padding left out (a call's throughput reads it)
+
+    def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
+                 total_rows: int | torch.Tensor | None = None) -> None:
+        """Load, forward, backward (training), metrics and, with ``step``, the optimizer
+        update of ``batch``; ``zero_grad``: zero the gradients first; ``total_rows``: the
+        rows the mean loss is taken over (default: this batch's, summed over the ranks)."""
+        rows, axis = checked_rows(batch)
+        self.samples += rows - batch.pad
+        mgr = self.mgr
+        group = self.group or mgr.group_of(batch, checked=True)
+        job = group.job
+        job.set(batch, rows, axis, mgr.slices_for(rows))
+        self.weigh(job, total_rows)
+        update = self.update
+        stepping = update is not None and update.prepare(step)
+        if self.engine is not None:
+            self.engine.prepare(stepping)
+        job.update = update if zero_grad else None
+        job.step = self
+        try:
+            if self.balancing is None:
+                group.dispatch(group.shares)
+            else:
+                loads = self.balancing.dispatch(group)
+                if loads is not None:
+                    mgr.use_loads(*loads)
+        finally:
+            job.step = None  # the group holds no step (nor, through it, its manager)
+        if stepping:
+            update.apply()  # type: ignore[union-attr]
+
+    def weigh(self, job: Job, total_rows: int | torch.Tensor | None) -> None:
+        """Each slice's loss weight (``fitdp.executor.weighing``); ``total_rows`` defaults
+        to the batch's valid rows (summed over the ranks in training)."""
+        if total_rows is None:
+            total_rows = sum(job.valid)
+            if self.rows_over_ranks:
+                total_rows = self.mgr.global_rows(total_rows)
+        self.weighing.weigh(job, total_rows)
+
+    def phase(self, group: Group, phase: Callable[[Job, int], Any]) -> None:
+        """One phase of the routine on every device at once (the MXNet-style calls)."""
+        job = group.job
+        job.step = self
+        try:
+            group.workers.run([functools.partial(phase, job, d)
+                               for d in range(len(job.executors))])
+        finally:
+            job.step = None
+
+    def step_now(self) -> None:
+        """The optimizer step alone, from the gradients of the batches run so far."""
+        update = self.update
+        if update is not None and update.prepare(True):
+            update.apply()
