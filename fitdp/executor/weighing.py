@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from fitdp.data.batch import take_rows
+from fitdp.data.batch import axis_of, take_rows
 
 # labels -> targets the loss means over; one with ``reads_inputs`` (``loss_items``) is called
 # (inputs, labels)
@@ -143,8 +143,17 @@ class Weighing:
                 batch.label is None and not self.items):
             return  # rows weigh the slices
         if self.from_batch:
-            if self.all_counted(batch.label):
-                return  # no target ignored: each device's count is in proportion to its rows
+            label = batch.label
+            if self.all_counted(label):
+                # No target ignored: each slice counts its rows times the targets per row
+                # (the weights stay the rows'; the logged count is the targets', which
+                # differ from the rows' when batches differ in length: buckets).
+                rows = label.shape[axis_of(label, job.axis)] if label.dim() else 1
+                per_row = label.numel() // max(rows, 1)
+                if per_row != 1:
+                    for d in range(len(counts)):
+                        counts[d] = valid[d] * per_row
+                return
             parts: list[tuple[Any, Any] | None] = []
             for sl, v in zip(job.slices, valid):
                 rows = slice(sl.start, sl.start + v)

@@ -68,3 +68,13 @@ def test_the_weighted_loss_is_the_loss_itself_at_weight_one():
     loss = torch.tensor(2.0)
     assert weighted(loss, 1.0) is loss
     assert float(weighted(loss, 0.25)) == 0.5
+
+
+def test_per_token_labels_without_ignored_targets_log_their_tokens_not_their_rows():
+    """Regression: a bucket's batch of per-token labels with no -100 was logged by its rows
+    (1 sentence) while its loss means over its tokens (14): the epoch's logged loss then
+    differed from the one-device token mean when batches differ in length."""
+    y = torch.tensor([[1, 2, 0, 1, 2, 0, 1]])
+    j = job(1, y, [slice(0, 1)])
+    Weighing(Counter(), [CPU], ranks=False).weigh(j, 1)
+    assert j.weights == [1.0] and j.counts == [7]
