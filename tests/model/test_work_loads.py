@@ -29,9 +29,6 @@ class SlowOnDevice1(nn.Module):
         return self.lin(x)
 
 
-# Run one after another (the slow-replicas probe), the shares all run on the main thread, where
-# this module does not sleep: the probe's verdict is not this test's business.
-@pytest.mark.filterwarnings("ignore::fitdp.checks.FitdpWarning")
 def test_fit_auto_moves_rows_off_the_slow_replica_and_reports_the_loads(caplog):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(480, 5, generator=g), torch.randint(0, 3, (480,), generator=g)
