@@ -26,7 +26,8 @@ HOP = re.compile(r"`((?:[a-z_]+/)+[a-z_]+\.py):([A-Za-z_][\w.]*)")
 def walk_section() -> str:
     text = PAGE.read_text()
     start = text.index("## How one batch travels")
-    return text[start:text.index("\n## ", start + 1)]
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
 
 
 def page_stack() -> list[str]:

@@ -14,7 +14,7 @@ import torch
 from fitdp.callbacks import Callback
 
 TESTS = Path(__file__).resolve().parents[1]
-for folder in (TESTS / "model", TESTS / "executor", TESTS / "callbacks"):
+for folder in (TESTS / "model", TESTS / "compiled", TESTS / "executor", TESTS / "callbacks"):
     if str(folder) not in sys.path:
         sys.path.append(str(folder))
 

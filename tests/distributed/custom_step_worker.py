@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-from tests.model.test_custom_step import Contrastive, _net  # noqa: E402
+from tests.call.test_custom_step import Contrastive, _net  # noqa: E402
 
 torch.set_num_threads(1)
 OUT = sys.argv[1]

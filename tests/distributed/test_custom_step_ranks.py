@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.test_distributed import launch
-from tests.model.test_custom_step import _batches, _net, nt_xent
+from tests.call.test_custom_step import _batches, _net, nt_xent
 
 WORKER = os.path.join(os.path.dirname(__file__), "custom_step_worker.py")
 pytestmark = pytest.mark.distributed

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import fitdp
 from fitdp.call import gather
-from tests.model.test_custom_step import (
+from tests.call.test_custom_step import (
     GAN,
     Contrastive,
     GANModel,

@@ -1,4 +1,4 @@
-"""Fork server for the SIGKILL tests in tests/checkpoint/ (not a test module).
+"""Fork server for the SIGKILL tests in tests/saving/ (not a test module).
 
 Importing torch costs about a second, so this process imports it once and forks one saver per
 ``run`` line read from stdin; the saver resumes from ``PATH`` and rewrites it in a loop, and the

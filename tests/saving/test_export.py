@@ -16,7 +16,7 @@ from torch import nn
 import fitdp
 from fitdp.saving.export import InputSpec, Predictor, export_module, load_predictor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class MLP(nn.Module):

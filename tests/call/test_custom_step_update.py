@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import fitdp
-from tests.model.test_custom_step import DEVICES, GAN, GANModel, X, _batches, _gan_step
+from tests.call.test_custom_step import DEVICES, GAN, GANModel, X, _batches, _gan_step
 
 
 def _reference(real: torch.Tensor, size: int, clip: float | None,
