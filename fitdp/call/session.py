@@ -37,6 +37,7 @@ from fitdp.executor.checkpointing import ActivationCheckpointing
 from fitdp.executor.interrupts import GUARD, SIGTERM, Preempted
 from fitdp.executor.monitor import Monitor
 from fitdp.executor.replica import call_module
+from fitdp.executor.reproducible import ReproducibleStep
 from fitdp.saving.entries import Entry, EpochLogs
 
 
@@ -101,10 +102,14 @@ class Session:
         # A profiler's callback, or one running around the call, gets the phases as named
         # ranges; any other call binds steps without range code.
         named = cbs.names_phases or torch.autograd._profiler_enabled()
-        self.test = self.mgr.bind_step(False, metric=self.metrics, named=named)
+        # fit(reproducible=True): the reproducible step (``executor/reproducible.py``)
+        micro = plan.micro_batch_size if isinstance(plan, FitPlan) else None
+        self.test = self.mgr.bind_step(False, metric=self.metrics, named=named,
+                                       micro_batch_size=micro)
         self.train = self.mgr.bind_step(
             True, optimizer=trainer.optimizer, scaler=trainer.scaler, clip_norm=self.clip,
-            scale=self.scale, metric=self.metrics, named=named) if trainer is not None else None
+            scale=self.scale, metric=self.metrics, named=named,
+            micro_batch_size=micro) if trainer is not None else None
         # Measured loads for this call, or the placement's (replicas kept from an "auto"
         # call measure no more); the model reports the list in use, updated in place.
         self.mgr.set_work_load_list(
@@ -408,8 +413,8 @@ class Session:
 
     # -- shared by every call -------------------------------------------------------------
 
-    def _one_batch(self, bound: BatchStep, batch: DataBatch, zero_grad: bool = False,
-                   step: bool = False) -> None:
+    def _one_batch(self, bound: BatchStep | ReproducibleStep, batch: DataBatch,
+                   zero_grad: bool = False, step: bool = False) -> None:
         """One batch through one of the call's bound steps (``zero_grad``, ``step``: its
         zeroing and optimizer step). On a call's first batch, the user's errors come back
         with what the batch held."""

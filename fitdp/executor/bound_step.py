@@ -35,6 +35,7 @@ from fitdp.executor.flat_buckets import FlatBuckets
 from fitdp.executor.interrupts import GUARD
 from fitdp.executor.per_replica import NAMED_PHASES, PHASES, weigh
 from fitdp.executor.replica import Compute
+from fitdp.executor.reproducible import ReproducibleStep
 from fitdp.executor.sharded_step import ShardedStep
 from fitdp.executor.slicing import check_work_load_arg
 from fitdp.executor.update import SHARD_MIN_NUMEL, NamedUpdate, Update
@@ -180,6 +181,7 @@ class StepMixin:
     _reserved: list[Any]
     _shardable: bool
     _bound: dict[tuple[Hashable, ...], BatchStep]
+    _reproducible: dict[tuple[Hashable, ...], ReproducibleStep]
     _manual: dict[tuple[Hashable, ...], Update]
     execgrp: DataParallelExecutorGroup
     bucket_module: Any
@@ -202,7 +204,7 @@ class StepMixin:
         self.work_load_list = [1.0] * len(self.devices)
         self.balancer = None
         self._slices, self._reserved, self._bound = {}, [], {}
-        self._manual = {}
+        self._manual, self._reproducible = {}, {}
         self.set_work_load_list(work_load_list)
         cpu = all(d.type == "cpu" for d in self.devices)
         several = len(self.devices) > 1
@@ -213,8 +215,8 @@ class StepMixin:
 
     def bind_step(self, is_train: bool, *, optimizer: torch.optim.Optimizer | None = None,
                   scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
-                  scale: Scale | None = None, metric: Any = None, named: bool = False
-                  ) -> BatchStep:
+                  scale: Scale | None = None, metric: Any = None, named: bool = False,
+                  micro_batch_size: int | None = None) -> BatchStep | ReproducibleStep:
         """The step for a call's batches, from what the call fixes (made once per set of
         arguments and kept): ``step(batch, zero_grad=, step=, total_rows=)`` trains (or,
         not ``is_train``, evaluates) a batch; ``step.step_now()`` takes the optimizer step
@@ -231,8 +233,19 @@ class StepMixin:
             named: the phases (load, forward, backward, metrics, reduce, step) in
                 ``torch.profiler.record_function`` ranges named ``fitdp.<phase>``, for a
                 profiler's trace; without it the step runs no range code at all.
+            micro_batch_size: the reproducible step of ``fit(reproducible=True)``
+                (``fitdp.executor.reproducible``), in micro-batches of this many rows.
         """
-        key = (is_train, optimizer, scaler, clip_norm, scale, metric, named)
+        key = (is_train, optimizer, scaler, clip_norm, scale, metric, named, micro_batch_size)
+        if micro_batch_size is not None:
+            made = self._reproducible.get(key)
+            if made is None or not made.fits(optimizer):
+                if len(self._reproducible) >= 16:  # (as below)
+                    self._reproducible.clear()
+                made = self._reproducible[key] = ReproducibleStep(
+                    self, is_train, micro_batch_size, optimizer=optimizer, scaler=scaler,
+                    clip_norm=clip_norm, scale=scale, metric=metric)
+            return made
         bound = self._bound.get(key)
         if bound is None or (bound.update is not None and not bound.update.fits(optimizer)):
             update = self._update(optimizer, scaler, clip_norm, named) if is_train else None

@@ -55,6 +55,7 @@ class TensorSource:
         self.seed = seed
         self.rank, self.world_size = rank, world_size
         self.global_batch = batch_size * world_size
+        self.unit = 1  # a rank's part of a global batch is whole runs of this many rows
         self.epoch = 0
         self.position = 0
 
@@ -95,14 +96,22 @@ class TensorSource:
             yield DataBatch.of_rows(take(sl), take_y(sl), rows,
                                     None if take_w is None else take_w(sl))
 
+    def align_ranks(self, unit: int) -> None:
+        """Split each global batch over the ranks in whole runs of ``unit`` rows (the
+        micro-batches of ``fit(reproducible=True)``), earlier ranks first: rank r holds the
+        r-th contiguous part, so the ranks' micro-batches are one process's."""
+        self.unit = unit
+
     def _rows(self, step: int) -> tuple[slice, int]:
-        """This rank's rows of global batch ``step`` (an even split, earlier ranks first), and
-        the global batch's size."""
+        """This rank's rows of global batch ``step`` (an even split of its runs of ``unit``
+        rows, earlier ranks first), and the global batch's size."""
         start = step * self.global_batch
         rows = min(self.global_batch, self.num_samples - start)
-        base, extra = divmod(rows, self.world_size)
-        begin = start + self.rank * base + min(self.rank, extra)
-        return slice(begin, begin + base + (self.rank < extra)), rows
+        unit = self.unit
+        base, extra = divmod(-(-rows // unit), self.world_size)
+        first = self.rank * base + min(self.rank, extra)
+        stop = min((first + base + (self.rank < extra)) * unit, rows)
+        return slice(start + first * unit, start + stop), rows
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
