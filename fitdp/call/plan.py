@@ -175,12 +175,7 @@ def _micro_batch_size(model: Any, reproducible: Any, micro_batch_size: Any,
         fail("reproducible", True, "the built-in step (a Model that overrides train_step, "
              "test_step or compute_loss runs its own step, which fitdp cannot cut into "
              "micro-batches)", "reproducible=False for this model")
-    trainer = getattr(model, "_trainer", None)
-    strategy = getattr(getattr(trainer, "config", None), "strategy", "auto")
-    if strategy == "fsdp" or type(strategy).__name__ == "FSDP":
-        fail("reproducible", True, "strategy 'auto' or 'ddp' (FSDP2 reduce-scatters the "
-             "gradients in backward, in its own order)", "compile(strategy='auto')")
-    return micro
+    return micro  # (FSDP2 is refused when the step is bound: ``ReproducibleStep``)
 
 
 def _align(source: DataSource, micro: int) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,9 +44,8 @@ from fitdp.executor.replica import Executor, slice_count
 from fitdp.executor.slicing import device_slices
 from fitdp.executor.update import Update
 
-if TYPE_CHECKING:
-    from fitdp.executor.bound_step import Scale, StepMixin
-
+# (multiplies each loss before backward: a ``GradScaler``'s ``scale``)
+Scale = Callable[[torch.Tensor], torch.Tensor]
 Grads = list[torch.Tensor]
 Block = tuple[int, int]  # (level, index): the aligned block [index * 2**level, ...)
 # CPU replicas share one generator: a micro-batch's seeding and forward hold it alone.
@@ -233,7 +232,7 @@ class ReproducibleStep:
         ValueError: FSDP2 (it reduces gradients in backward, in its own order).
     """
 
-    def __init__(self, mgr: StepMixin, is_train: bool, micro_batch_size: int, *,
+    def __init__(self, mgr: Any, is_train: bool, micro_batch_size: int, *,
                  optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
                  scale: Scale | None = None, metric: Any = None) -> None:
@@ -243,7 +242,7 @@ class ReproducibleStep:
                              "fitdp's own reduction (FSDP2 reduce-scatters in backward, in "
                              "its own order). Fix: compile(strategy='auto') or 'ddp'.")
         # A weak reference back (the manager keeps its bound steps): see ``BatchStep``.
-        self.mgr: StepMixin = weakref.proxy(mgr)
+        self.mgr: Any = weakref.proxy(mgr)
         self.is_train, self.size = is_train, micro_batch_size
         self.scale, self.metric = scale, metric
         self.autocast = mgr.autocast_dtype
@@ -273,7 +272,7 @@ class ReproducibleStep:
         rows, axis = checked_rows(batch)
         valid = rows - batch.pad
         self.samples += valid
-        group = mgr._group_of(batch, checked=True)
+        group = self._group(batch)
         executors = group.executors
         parts = micro_batches(valid, self.size)
         counts = [self._count(batch, sl, axis) for sl in parts]
@@ -291,7 +290,7 @@ class ReproducibleStep:
         lead = executors[0].ranked
         if training and lead is not None:
             set_sync(lead, False)  # DDP's own reduction never runs here: the tree's does
-        prev = mgr.loss_state()  # type: ignore[attr-defined]
+        prev = mgr.loss_state()
         ok = False
         try:
             if bn is not None:
@@ -319,6 +318,16 @@ class ReproducibleStep:
             self._accumulate(canonical_sum(blocks, n) if n else None, zero_grad)
             if step and self.update is not None and self.update.optimizer is not None:
                 self.step_now()
+
+    def _group(self, batch: DataBatch) -> Any:
+        """The batch's bucket group (made on first sight), made current."""
+        mgr = self.mgr
+        if mgr.bucket_module is None:
+            return mgr.execgrp
+        key = mgr.default_bucket_key if batch.bucket_key is None else batch.bucket_key
+        mgr.prepare_buckets([key])
+        group = mgr.curr_execgrp = mgr.groups[key]
+        return group
 
     def _fold(self, group: Any) -> BatchNormFold | None:
         """The BatchNorm layers of ``group``'s replicas (found once per group), or None."""
@@ -435,7 +444,7 @@ class ReproducibleStep:
             count += c
         if self.distributed and dist.get_rank() != 0:
             total = count = 0.0
-        self.mgr.restore_loss([(prev[0] + total, prev[1] + count)])  # type: ignore[attr-defined]
+        self.mgr.restore_loss([(prev[0] + total, prev[1] + count)])
 
     def _update_metric(self, rows: list[tuple[Any, Any, Any]]) -> None:
         """One update of device 0's metrics with the batch's rows in index order (rank 0)."""
