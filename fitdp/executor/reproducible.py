@@ -447,14 +447,26 @@ class ReproducibleStep:
         self.mgr.restore_loss([(prev[0] + total, prev[1] + count)])
 
     def _update_metric(self, rows: list[tuple[Any, Any, Any]]) -> None:
-        """One update of device 0's metrics with the batch's rows in index order (rank 0)."""
-        if not rows or (self.distributed and dist.get_rank() != 0):
+        """One update of device 0's metrics with the batch's rows in index order. Under
+        torchrun rank 0 updates with every rank's rows and the others not at all: their
+        states stay the defaults, so the ranks' sum of states, which torchmetrics takes when
+        it computes, is rank 0's alone, bit for bit."""
+        if not rows:
             return
         dev = self.mgr.devices[0]
         moved = [tree_map(lambda t: t.to(dev), r) for r in rows]
-        outputs, labels, weights = (None if moved[0][i] is None else
-                                    tree_cat([r[i] for r in moved], 0) for i in range(3))
-        self.metric.update(0, outputs, labels, weights)
+        joined: list[Any] = [None if moved[0][i] is None else
+                             tree_cat([r[i] for r in moved], 0) for i in range(3)]
+        if self.distributed and dist.get_rank() != 0:
+            # Built (a Keras name on first sight) but never updated; computed without
+            # torchmetrics' cache, so every rank joins each compute's gather of states.
+            for spec in self.metric.specs[0].values():
+                outputs, labels = joined[0], joined[1]
+                if spec.output is not None:
+                    outputs, labels = outputs[spec.output], labels[spec.output]
+                spec.build(outputs, labels).compute_with_cache = False
+            return
+        self.metric.update(0, *joined)
         self.metric.end_batch()
 
     def _accumulate(self, grads: Grads | None, zero: bool) -> None:
