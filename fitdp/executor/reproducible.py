@@ -418,7 +418,9 @@ class ReproducibleStep:
         if self.scale is not None:
             loss = self.scale(loss)
         got = torch.autograd.grad(loss, params, allow_unused=True)
-        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, got)]
+        # Contiguous: an accumulated step adds into them in place (an expanded one could not).
+        return [torch.zeros_like(p) if g is None else g.contiguous()
+                for p, g in zip(params, got)]
 
     # -- after the devices ------------------------------------------------------------------
 
