@@ -7,10 +7,11 @@ The same fit (a small CNN with BatchNorm and dropout, Adam, in-memory images, ba
 one CPU replica and on two, in the ordinary step and in the reproducible mode at
 micro-batches of 16 and 8 rows. Each case runs in a process of its own (rounds interleave
 the cases): time per optimizer step (median over the timed epochs, after one warm-up
-epoch), and the peak resident memory of the process during training above what it held
-before ``fit`` (``resource.getrusage``'s ``ru_maxrss``: torch's CPU allocations included,
-which ``tracemalloc`` does not see). Prints each case, then the ratios reproducible /
-ordinary per replica count (time and memory).
+epoch, one intra-op thread per process), and the peak resident memory of the process
+during training above what it held before ``fit`` (``resource.getrusage``'s
+``ru_maxrss``: torch's CPU allocations included, which ``tracemalloc`` does not see).
+Prints each case, then the ratios reproducible / ordinary per replica count (time and
+memory).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def rss_mb() -> float:
 def run_case(name: str, quick: bool) -> dict[str, float]:
     """One case in this process: seconds per step and peak memory above the start."""
     replicas, micro = CASES[name]
+    torch.set_num_threads(1)  # one intra-op thread, as bench/overhead.py: stabler times
     rows, side, epochs = (128, 16, 2) if quick else (1024, 32, 4)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, 3, side, side, generator=g)
