@@ -258,3 +258,25 @@ def test_a_model_with_its_own_train_step_is_refused():
     with pytest.raises(ValueError, match=r"reproducible: got True.*train_step"):
         model.fit(X, Y, batch_size=16, verbose=0, reproducible=True, micro_batch_size=4)
     assert model.global_step == 0
+
+
+def test_an_engine_that_shards_the_weights_is_refused_and_ddp_is_told_not_to_reduce(
+        monkeypatch):
+    """FSDP2 reduce-scatters in backward, in its own order: the manager refuses the mode for
+    an engine with ``shards_weights`` (the engine interface, not its type); any other engine
+    is told that no batch of the mode is its to reduce (DDP's ``no_sync``: prepare(False))."""
+    from fitdp.executor import DataParallelExecutorManager  # noqa: PLC0415
+    from fitdp.executor.engine import Engine  # noqa: PLC0415
+    from fitdp.executor.reproducible import ReproducibleStep  # noqa: PLC0415
+
+    mgr = DataParallelExecutorManager(mlp(), ["cpu", "cpu"], loss=nn.functional.cross_entropy)
+    told: list[bool] = []
+    monkeypatch.setattr(mgr.engine, "prepare", told.append)
+    opt = torch.optim.SGD(mgr.master_parameters(), lr=0.1)
+    step = mgr.bind_step(True, optimizer=opt, micro_batch_size=4)
+    assert isinstance(step, ReproducibleStep)
+    step(fitdp.DataBatch(X[:16], Y[:16]), zero_grad=True, step=True)
+    assert told == [False]
+    mgr.engine = type("Sharding", (Engine,), {"shards_weights": True})()
+    with pytest.raises(ValueError, match=r"reproducible=True.*FSDP2"):
+        mgr.bind_step(True, optimizer=opt, micro_batch_size=4)
