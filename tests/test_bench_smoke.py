@@ -17,7 +17,7 @@ import pytest
 # The run behind every test starts torchrun jobs (2 gloo ranks on 127.0.0.1, bounded in time).
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("overhead", "replicas", "distributed", "checkpoint", "bucketing")
+SCRIPTS = ("overhead", "replicas", "distributed", "checkpoint", "bucketing", "reproducible")
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +115,15 @@ def test_bucketing_compares_the_four_strategies_and_bucket_memory(runs):
         row = got[f"GRU, real tokens/s: (d) BucketIterator vs {reference}"]
         assert row["ratio"] > 0 and row["target"] == target
     assert sum(r["section"] == "memory" for r in got.values()) == 2
+
+
+def test_reproducible_compares_the_mode_with_the_ordinary_step(runs):
+    """Issue 31: the mode's cost against the ordinary step on the same fit, with its memory
+    (the quick run: the two-replica pair at micro_batch_size=8)."""
+    got = rows(runs, "reproducible")
+    case = "CNN, batch 64, 2 replica(s): micro_batch_size=8"
+    assert got[f"{case}, time per step"]["ratio"] > 0
+    assert got[f"{case}, peak memory above the start"]["reference"] == "ordinary step"
 
 
 def test_gpu_checks_dry_run_on_the_cpu(runs):

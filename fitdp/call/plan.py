@@ -68,6 +68,7 @@ class FitPlan(CallPlan):
     monitor: Monitor | None = None
     resume: str | None = None
     log_every: int = 50
+    micro_batch_size: int | None = None  # fit(reproducible=True): its micro-batches' rows
 
     def validates(self, epoch: int) -> bool:
         """Keras's ``validation_freq``: every N epochs (1-based), or the listed epochs."""
@@ -83,7 +84,8 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
              shuffle: bool, class_weight: Any, initial_epoch: int, steps_per_epoch: Any,
              validation_steps: Any, validation_batch_size: Any, validation_freq: Any,
              devices: DevicesArg, work_load_list: Any, seed: Any, monitor: Any, resume: Any,
-             log_every: int, timeout: Any) -> FitPlan:
+             log_every: int, timeout: Any, reproducible: Any = False,
+             micro_batch_size: Any = None) -> FitPlan:
     for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
                              ("initial_epoch", initial_epoch, 0), ("log_every", log_every, 1)):
         check_int(name, value, low)
@@ -99,6 +101,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         check_choice("shuffle", shuffle, (True, False))
     check_number("timeout", timeout, low=0, low_open=True, fix="pass seconds, e.g. timeout=600")
     seed = _seed(seed)
+    micro = _micro_batch_size(model, reproducible, micro_batch_size, batch_size)
     split = _splits(validation_split)
     if split and validation_data is not None:
         fail("validation_split", validation_split, "validation_split or validation_data, "
@@ -112,7 +115,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
     pin = pin_host_batches(placement.devices)
     train = data.source(batch_size=batch_size, shuffle=shuffle, seed=seed,
                         class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size,
-                        pin_memory=pin)
+                        pin_memory=pin, rank_unit=micro or 1)
     num = train.num_batches
     if (steps is None and epochs - initial_epoch > 1 and num is None
             and data.kind is Kind.GENERATOR):
@@ -124,7 +127,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         val_data = _validation_data(validation_data, model.labels_optional)
     val = None if val_data is None else val_data.source(
         batch_size=val_batch, shuffle=False, seed=seed, rank=ranks.rank,
-        world_size=ranks.world_size, pin_memory=pin)
+        world_size=ranks.world_size, pin_memory=pin, rank_unit=micro or 1)
     amounts = [("x", _amounts(train))]
     if val is not None:
         amounts.append(("validation_data", _amounts(val)))
@@ -137,7 +140,39 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         auto_loads=auto, timeout=timeout, amounts=tuple(amounts),
         val=val, val_steps=val_steps, val_freq=val_freq, seed=seed, monitor=monitor,
         resume=resume_path(resume, cbs.callbacks), log_every=log_every,
+        micro_batch_size=micro,
     )
+
+
+def _micro_batch_size(model: Any, reproducible: Any, micro_batch_size: Any,
+                      batch_size: int) -> int | None:
+    """``fit(reproducible=..., micro_batch_size=...)`` checked: the micro-batch rows of a
+    reproducible fit, or None for the ordinary step."""
+    if not isinstance(reproducible, bool):
+        fail("reproducible", reproducible, "True or False", error=TypeError)
+    if not reproducible:
+        if micro_batch_size is not None:
+            fail("micro_batch_size", micro_batch_size, "None without reproducible=True "
+                 "(micro-batches are how the reproducible mode cuts each batch)",
+                 f"pass reproducible=True, micro_batch_size={micro_batch_size!r}, or drop "
+                 f"micro_batch_size")
+        return None
+    if micro_batch_size is None:
+        fail("micro_batch_size", None, f"an int that divides batch_size={batch_size} with "
+             f"reproducible=True", f"pass e.g. micro_batch_size="
+             f"{next(k for k in (8, 4, 2, 1) if batch_size % k == 0)}")
+    micro = check_int("micro_batch_size", micro_batch_size, 1,
+                      fix="pass a positive int that divides batch_size")
+    if batch_size % micro:
+        divisors = [k for k in range(1, batch_size + 1) if batch_size % k == 0]
+        fail("micro_batch_size", micro, f"an int that divides batch_size={batch_size} "
+             f"(one of {divisors[:12]}{' ...' if len(divisors) > 12 else ''})",
+             "pick a divisor of batch_size, or a batch_size that is a multiple of it")
+    if getattr(model, "steps_overridden", False):
+        fail("reproducible", True, "the built-in step (a Model that overrides train_step, "
+             "test_step or compute_loss runs its own step, which fitdp cannot cut into "
+             "micro-batches)", "reproducible=False for this model")
+    return micro  # (FSDP2 is refused when the step is bound: ``ReproducibleStep``)
 
 
 def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,

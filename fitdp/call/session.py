@@ -36,6 +36,7 @@ from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.checkpointing import ActivationCheckpointing
 from fitdp.executor.replica import call_module
+from fitdp.executor.reproducible import ReproducibleStep
 from fitdp.executor.step import Step
 from fitdp.saving.entries import Entry, EpochLogs
 from fitdp.saving.fence import fence_steps
@@ -107,10 +108,14 @@ class Session:
         # A profiler's callback, or one running around the call, gets the phases as named
         # ranges; any other call binds steps without range code.
         named = cbs.names_phases or torch.autograd._profiler_enabled()
-        self.test = self.mgr.bind_step(False, metric=self.metrics, named=named)
+        # fit(reproducible=True): the reproducible step (``executor/reproducible.py``)
+        micro = plan.micro_batch_size if isinstance(plan, FitPlan) else None
+        self.test = self.mgr.bind_step(False, metric=self.metrics, named=named,
+                                       micro_batch_size=micro)
         self.train = self.mgr.bind_step(
             True, optimizer=trainer.optimizer, scaler=trainer.scaler, clip_norm=self.clip,
-            scale=self.scale, metric=self.metrics, named=named) if trainer is not None else None
+            scale=self.scale, metric=self.metrics, named=named,
+            micro_batch_size=micro) if trainer is not None else None
         # Last: the blocks' forwards are put back by ``close``, which runs once this is made.
         blocks = config.activation_checkpointing if config is not None else None
         self.checkpointing = ActivationCheckpointing(
@@ -410,8 +415,8 @@ class Session:
 
     # -- shared by every call -------------------------------------------------------------
 
-    def _one_batch(self, bound: Step, batch: DataBatch, zero_grad: bool = False,
-                   step: bool = False) -> None:
+    def _one_batch(self, bound: Step | ReproducibleStep, batch: DataBatch,
+                   zero_grad: bool = False, step: bool = False) -> None:
         """One batch through one of the call's bound steps (``zero_grad``, ``step``: its
         zeroing and optimizer step). On a call's first batch, the user's errors come back
         with what the batch held."""

@@ -21,6 +21,7 @@ from fitdp.executor.engine import Engine
 from fitdp.executor.group import DataParallelExecutorGroup
 from fitdp.executor.local_reduce import LocalReduce
 from fitdp.executor.replica import Compute, LossFn, ModuleLoss
+from fitdp.executor.reproducible import ReproducibleStep
 from fitdp.executor.sharing import bucket_replicas, check_unique_names, hashable
 from fitdp.executor.slicing import check_work_load_arg, device_slices
 from fitdp.executor.step import Scale, Step, backward_share, forward_share, load_share, metric_share
@@ -193,7 +194,7 @@ class DataParallelExecutorManager:
     def _phase(self, is_train: bool, phase: Callable[..., Any], **bind: Any) -> None:
         """One phase of the step's routine on every device of the current group (the
         MXNet-style calls), under a step bound with ``bind``."""
-        self.bind_step(is_train, **bind).phase(self.curr_execgrp, phase)
+        self._step(is_train, **bind).phase(self.curr_execgrp, phase)
 
     def group_of(self, data_batch: DataBatch, checked: bool = False
                  ) -> DataParallelExecutorGroup:
@@ -223,7 +224,7 @@ class DataParallelExecutorManager:
         """
         group = self.curr_execgrp
         group.set_mode(is_train)
-        step = self.bind_step(is_train)
+        step = self._step(is_train)
         step.weigh(group.job, total_rows)
         group.job.step = step  # (the turns read its compute)
         probe = group.begin_turns(is_train)
@@ -399,7 +400,8 @@ class DataParallelExecutorManager:
 
     def bind_step(self, is_train: bool, *, optimizer: torch.optim.Optimizer | None = None,
                   scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
-                  scale: Scale | None = None, metric: Any = None, named: bool = False) -> Step:
+                  scale: Scale | None = None, metric: Any = None, named: bool = False,
+                  micro_batch_size: int | None = None) -> Step | ReproducibleStep:
         """The step for a call's batches, from what the call fixes: ``step(batch,
         zero_grad=, step=, total_rows=)`` trains (or, not ``is_train``, evaluates) a batch;
         ``step.step_now()`` takes the optimizer step alone. The caller holds its Ctrl-C
@@ -415,7 +417,23 @@ class DataParallelExecutorManager:
             named: the phases (load, forward, backward, metrics, reduce, step) in
                 ``torch.profiler.record_function`` ranges named ``fitdp.<phase>``, for a
                 profiler's trace; without it the step runs no range code at all.
+            micro_batch_size: the step of ``fit(reproducible=True)`` instead
+                (``fitdp.executor.reproducible``), in micro-batches of this many rows.
+
+        Raises:
+            ValueError: ``micro_batch_size`` with an engine that shards the weights (FSDP2).
         """
+        if micro_batch_size is not None:
+            return ReproducibleStep(self, is_train, micro_batch_size, optimizer=optimizer,
+                                    scaler=scaler, clip_norm=clip_norm, scale=scale,
+                                    metric=metric)
+        return self._step(is_train, optimizer=optimizer, scaler=scaler, clip_norm=clip_norm,
+                          scale=scale, metric=metric, named=named)
+
+    def _step(self, is_train: bool, *, optimizer: torch.optim.Optimizer | None = None,
+              scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
+              scale: Scale | None = None, metric: Any = None, named: bool = False) -> Step:
+        """The ordinary step (``bind_step``'s arguments)."""
         update = self._update(optimizer, scaler, clip_norm, named) if is_train else None
         return Step(self, is_train, update, scale, metric, named, self.balancing)
 

@@ -125,6 +125,19 @@ class Weighing:
         self._clean = (base, base._version)
         return True
 
+    def count(self, batch: Any, rows: slice, axis: int) -> float:
+        """What the mean loss of ``batch``'s ``rows`` divides by, as a number: the rows, or
+        the targets counted as ``weigh`` counts them (the reproducible step's micro-batches,
+        ``fitdp.executor.reproducible``, each weigh theirs over the batch's sum)."""
+        n = float(rows.stop - rows.start)
+        counter = self.counter
+        if counter is None or batch.sample_weight is not None or (
+                batch.label is None and not self.items):
+            return n
+        c = slice_count(counter, take_rows(batch.data, rows, axis) if self.items else None,
+                        take_rows(batch.label, rows, axis))
+        return n if c is None else float(c)
+
     def weigh(self, job: Slices, total_rows: int | torch.Tensor) -> None:
         """Each device's loss weight and count into ``job``: its valid rows over
         ``total_rows``, or its share of the counted targets."""

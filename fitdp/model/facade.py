@@ -189,7 +189,8 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             validation_freq: int | Sequence[int] = 1, *, devices: DevicesArg = "auto",
             work_load_list: Sequence[float] | str | None = None, seed: int | None = None,
             monitor: Monitor | None = None, resume: Any = None, log_every: int = 50,
-            timeout: float = DEFAULT_TIMEOUT, **legacy: Any) -> History:
+            timeout: float = DEFAULT_TIMEOUT, reproducible: bool = False,
+            micro_batch_size: int | None = None, **legacy: Any) -> History:
         """Train for ``epochs`` epochs; returns the ``History`` (see docs/api.md and Keras's fit).
 
         The arguments up to ``validation_freq`` may be given by position, in Keras's order
@@ -197,7 +198,10 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         ``seed`` fixes the data order and torch's generator (dropout) for this fit: the same
         seed gives bit-for-bit the same run on the same devices. ``log_every``: batches
         between host reads of loss and metrics on GPU. ``timeout``: seconds a collective may
-        wait under torch.distributed before every rank fails.
+        wait under torch.distributed before every rank fails. ``reproducible=True`` with
+        ``micro_batch_size=k``: weights, optimizer state, logs and predictions bitwise the
+        same on any devices, work loads and world size (the global batch fixed), at a cost
+        (docs/reproducible.md).
         """
         trainer = self._compiled("fit")
         trainer.trainable(self.module)
@@ -209,7 +213,8 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq,
             devices=devices, work_load_list=work_load_list, seed=seed, monitor=monitor,
-            resume=resume, log_every=log_every, timeout=timeout)
+            resume=resume, log_every=log_every, timeout=timeout, reproducible=reproducible,
+            micro_batch_size=micro_batch_size)
         run, cbs = self.run, plan.callbacks
         self._trained_on = plan.source.plan()  # export's batch and sequence axes
         self._averaging = next((cb for cb in cbs if isinstance(cb, WeightAveraging)), None)

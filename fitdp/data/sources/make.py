@@ -83,9 +83,11 @@ class UserData:
 
     def source(self, *, batch_size: int, shuffle: bool, seed: int,
                class_weight: Mapping[int, float] | None = None, rank: int = 0,
-               world_size: int = 1, pin_memory: bool = False) -> DataSource:
+               world_size: int = 1, pin_memory: bool = False, rank_unit: int = 1
+               ) -> DataSource:
         """The data source of this kind (this rank's share of it under torch.distributed);
-        the arguments are ``make_source``'s.
+        the arguments are ``make_source``'s, and ``rank_unit`` ``TensorSource``'s (other
+        sources hand out whole batches per rank already).
 
         Raises:
             TypeError, ValueError: a bad ``class_weight``.
@@ -97,7 +99,7 @@ class UserData:
                 w = cw if w is None else w * cw
             return TensorSource(self.x, self.y, batch_size, sample_weight=w, shuffle=shuffle,
                                 seed=seed, rank=rank, world_size=world_size,
-                                pin_memory=pin_memory)
+                                pin_memory=pin_memory, rank_unit=rank_unit)
         source: DataSource
         if self.kind is Kind.SOURCE:
             source = self.x  # a source already, e.g. a BucketIterator

@@ -35,6 +35,9 @@ class TensorSource:
         rank, world_size: this process's place in a torch.distributed job.
         pin_memory: gather each shuffled epoch into pinned host memory (for CUDA devices:
             their ``non_blocking`` input copies are then asynchronous).
+        rank_unit: a rank's part of a global batch is whole runs of this many rows, earlier
+            ranks first (the micro-batches of ``fit(reproducible=True)``: the ranks'
+            micro-batches are then one process's).
 
     Example:
         >>> src = TensorSource(torch.arange(5.0), None, batch_size=2, shuffle=False)
@@ -45,7 +48,7 @@ class TensorSource:
     def __init__(
         self, x: Any, y: Any, batch_size: int, *, sample_weight: torch.Tensor | None = None,
         shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
-        pin_memory: bool = False,
+        pin_memory: bool = False, rank_unit: int = 1,
     ) -> None:
         self.x, self.y, self.w = x, y, sample_weight
         self.pin_memory = pin_memory
@@ -55,6 +58,7 @@ class TensorSource:
         self.seed = seed
         self.rank, self.world_size = rank, world_size
         self.global_batch = batch_size * world_size
+        self.rank_unit = rank_unit
         self.epoch = 0
         self.position = 0
 
@@ -96,13 +100,15 @@ class TensorSource:
                                     None if take_w is None else take_w(sl))
 
     def _rows(self, step: int) -> tuple[slice, int]:
-        """This rank's rows of global batch ``step`` (an even split, earlier ranks first), and
-        the global batch's size."""
+        """This rank's rows of global batch ``step`` (an even split of its runs of
+        ``rank_unit`` rows, earlier ranks first), and the global batch's size."""
         start = step * self.global_batch
         rows = min(self.global_batch, self.num_samples - start)
-        base, extra = divmod(rows, self.world_size)
-        begin = start + self.rank * base + min(self.rank, extra)
-        return slice(begin, begin + base + (self.rank < extra)), rows
+        unit = self.rank_unit
+        base, extra = divmod(-(-rows // unit), self.world_size)
+        first = self.rank * base + min(self.rank, extra)
+        stop = min((first + base + (self.rank < extra)) * unit, rows)
+        return slice(start + first * unit, start + stop), rows
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
