@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from tests.distributed.test_distributed import launch
 from tests.call.test_custom_step import _batches, _net, nt_xent
+from tests.distributed.test_distributed import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "custom_step_worker.py")
 pytestmark = pytest.mark.distributed
