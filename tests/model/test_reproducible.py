@@ -21,6 +21,7 @@ import fitdp
 from fitdp.callbacks import ModelCheckpoint
 from fitdp.data.sources.tensors import TensorSource
 from fitdp.executor.reproducible import BlockStack, canonical_sum, micro_batches
+from tests.trees import assert_same
 
 G = torch.Generator().manual_seed(0)
 X = torch.randn(72, 6, generator=G)
@@ -74,21 +75,6 @@ def reference(setup: str) -> dict[str, Any]:
     return results(*train(setup, ["cpu"]), setup)
 
 
-def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_bitwise(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (u, v) in enumerate(zip(a, b)):
-            assert_bitwise(u, v, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 layouts = st.integers(1, 4).flatmap(lambda n: st.tuples(
     st.just(n), st.none() | st.lists(st.integers(1, 5), min_size=n, max_size=n)))
 
@@ -100,7 +86,7 @@ def test_any_devices_and_work_loads_train_bitwise_the_one_device_run(setup, layo
     """Dropout, BatchNorm, shuffling, accumulation and clipping: every layout the same bits."""
     n, loads = layout
     got = results(*train(setup, ["cpu"] * n, loads), setup)
-    assert_bitwise(got, reference(setup))
+    assert_same(got, reference(setup))
 
 
 def test_the_ordinary_step_differs_across_devices_where_the_mode_does_not():
@@ -163,9 +149,9 @@ def test_a_mid_epoch_checkpoint_on_three_replicas_resumes_bitwise_on_fewer(tmp_p
     train("mlp", ["cpu"] * 3, [1, 2, 3], callbacks=[ModelCheckpoint(path, save_freq=1), Stop()])
     model, history = train("mlp", ["cpu"] * devices, resume=str(tmp_path / "step-2.ckpt"))
     got, ref = results(model, history, "mlp"), reference("mlp")
-    assert_bitwise({k: got[k] for k in ("module", "optimizer", "step", "predict")},
+    assert_same({k: got[k] for k in ("module", "optimizer", "step", "predict")},
                    {k: ref[k] for k in ("module", "optimizer", "step", "predict")})
-    assert_bitwise(history, ref["history"])
+    assert_same(history, ref["history"])
 
 
 def test_the_tree_sum_does_not_depend_on_who_summed_what():

@@ -9,9 +9,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import torch
+from tests.trees import assert_same  # noqa: F401 - re-exported for the checkpoint tests
 
 HELPER = Path(__file__).with_name("checkpoint_kill_helper.py")
 
@@ -19,26 +18,6 @@ HELPER = Path(__file__).with_name("checkpoint_kill_helper.py")
 def temp_files(folder: Path) -> list[str]:
     """Names of the atomic writer's temporary files in ``folder``."""
     return [name for name in os.listdir(folder) if ".tmp-" in name]
-
-
-def assert_same(actual: Any, expected: Any, where: str = "state") -> None:
-    """Recursive equality that also checks tensor dtypes and container types."""
-    assert type(actual) is type(expected) or (
-        isinstance(actual, dict) and isinstance(expected, dict)
-    ), f"{where}: {type(actual)} != {type(expected)}"
-    if isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype, where
-        assert torch.equal(actual, expected), where
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for key in expected:
-            assert_same(actual[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for index, (a, e) in enumerate(zip(actual, expected)):
-            assert_same(a, e, f"{where}[{index}]")
-    else:
-        assert actual == expected, where
 
 
 class SaverServer:
