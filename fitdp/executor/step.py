@@ -265,6 +265,8 @@ class Step:
         rows the mean loss is taken over (default: this batch's, summed over the ranks)."""
         rows, axis = checked_rows(batch)
         self.samples += rows - batch.pad
+        if self.metric is not None:  # time-major outputs reach it batch-first
+            self.metric.axis = axis
         mgr = self.mgr
         group = self.group or mgr.group_of(batch, checked=True)
         job = group.job
