@@ -499,7 +499,7 @@ class DataParallelExecutorManager:
         """
         update = self._update(optimizer, scaler, clip_norm)
         with guard if guard is not None else contextlib.nullcontext():
-            if update.prepare(True):
+            if update.optimizer is not None:
                 update.apply()
 
     def zero_grad(self) -> None:

@@ -123,10 +123,11 @@ def metric_share(job: Job, d: int) -> None:
         if isinstance(hf_labels, torch.Tensor):
             outputs, labels = outputs["logits"], hf_labels
     if ex.valid > 0 and labels is not None:
-        axes = ex.output_axes(outputs)
-        metric = job.step.metric  # type: ignore[union-attr]
-        metric.update(d, take_rows(outputs, slice(0, ex.valid), axes), ex.valid_rows(labels),
-                      ex.valid_rows(ex.weights), axes)
+        axes, weights = ex.output_axes(outputs), ex.weights
+        if ex.valid < ex.rows:  # padding rows stay out of the metric
+            outputs = take_rows(outputs, slice(0, ex.valid), axes)
+            labels, weights = ex.valid_rows(labels), ex.valid_rows(weights)
+        job.step.metric.update(d, outputs, labels, weights, axes)  # type: ignore[union-attr]
 
 
 def device_share(job: Job, d: int) -> None:
@@ -273,7 +274,7 @@ class Step:
         job.set(batch, rows, axis, mgr.slices_for(rows))
         self.weigh(job, total_rows)
         update = self.update
-        stepping = update is not None and update.prepare(step)
+        stepping = step and update is not None and update.optimizer is not None
         if self.engine is not None:
             self.engine.prepare(stepping)
         job.update = update if zero_grad else None
@@ -312,5 +313,5 @@ class Step:
     def step_now(self) -> None:
         """The optimizer step alone, from the gradients of the batches run so far."""
         update = self.update
-        if update is not None and update.prepare(True):
+        if update is not None and update.optimizer is not None:
             update.apply()
