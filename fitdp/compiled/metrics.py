@@ -137,7 +137,7 @@ class DeviceMetrics:
         if sliced:
             # Each tree on its own: plain tensors (the common case) need no walk.
             leaves = tree_leaves(outputs) + tree_leaves(labels) + tree_leaves(weight)
-            inputs = {_storage(t) for t in leaves}
+            inputs = set(map(_storage, leaves))
             for name, spec in sliced:
                 _update_owned(name, spec, outputs, labels, weight, inputs)
 

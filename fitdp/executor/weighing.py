@@ -147,12 +147,14 @@ class Weighing:
             if self.all_counted(label):
                 # No target ignored: each slice counts its rows times the targets per row
                 # (the weights stay the rows'; the logged count is the targets', which
-                # differ from the rows' when batches differ in length: buckets).
-                rows = label.shape[axis_of(label, job.axis)] if label.dim() else 1
-                per_row = label.numel() // max(rows, 1)
-                if per_row != 1:
-                    for d in range(len(counts)):
-                        counts[d] = valid[d] * per_row
+                # differ from the rows' when batches differ in length: buckets). Labels of
+                # one dim have one target per row: the rows' counts.
+                if label.dim() > 1:
+                    rows = label.shape[axis_of(label, job.axis)]
+                    per_row = label.numel() // max(rows, 1)
+                    if per_row != 1:
+                        for d in range(len(counts)):
+                            counts[d] = valid[d] * per_row
                 return
             parts: list[tuple[Any, Any] | None] = []
             for sl, v in zip(job.slices, valid):
