@@ -106,11 +106,11 @@ class Update:
         """Device ``d``'s gradients: zeroed in place in their buckets, or (no gradient
         buckets, or one replica) set to None for backward to write anew."""
         flat = self.flat
-        if flat is None:
-            for p in self.masters:
-                p.grad = None
-        else:
+        if flat is not None and flat.grads:
             flat.zero_device(d)
+        else:
+            for p in self.params[d]:
+                p.grad = None
 
     def fits(self, optimizer: torch.optim.Optimizer | None) -> bool:
         """Whether this update still describes ``optimizer`` (the same parameter count)."""
