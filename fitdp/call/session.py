@@ -286,7 +286,10 @@ class Session:
         """What follows an optimizer step: the scheduler, the counters, the data position."""
         if self.step_scheduler:
             self.trainer.step_scheduler("step")  # type: ignore[union-attr]
-        self.run.stepped(self.run.micro_step)
+        run = self.run
+        run.global_step += 1
+        run.batch += run.micro_step  # the batches this step took
+        run.micro_step = 0
         self.data_state = self.plan.source.state_dict()
         if self.accum > 1:  # a checkpoint between steps saves the logs of this step
             self.epoch_logs.mark()
