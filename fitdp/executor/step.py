@@ -220,8 +220,6 @@ class Manager(Protocol):
 
     def slices_for(self, rows: int) -> list[slice]: ...
 
-    def global_rows(self, local: int) -> int | torch.Tensor: ...
-
     def use_loads(self, loads: list[float], seconds: Sequence[float] | None) -> None: ...
 
     def weighing(self) -> Weighing: ...
@@ -272,7 +270,7 @@ class Step:
         group = self.group or mgr.group_of(batch, checked=True)
         job = group.job
         job.set(batch, rows, axis, mgr.slices_for(rows))
-        self.weigh(job, total_rows)
+        self.weighing.weigh(job, total_rows, self.rows_over_ranks)
         update = self.update
         stepping = step and update is not None and update.optimizer is not None
         if self.engine is not None:
@@ -290,15 +288,6 @@ class Step:
             job.step = None  # the group holds no step (nor, through it, its manager)
         if stepping:
             update.apply()  # type: ignore[union-attr]
-
-    def weigh(self, job: Job, total_rows: int | torch.Tensor | None) -> None:
-        """Each slice's loss weight (``fitdp.executor.weighing``); ``total_rows`` defaults
-        to the batch's valid rows (summed over the ranks in training)."""
-        if total_rows is None:
-            total_rows = sum(job.valid)
-            if self.rows_over_ranks:
-                total_rows = self.mgr.global_rows(total_rows)
-        self.weighing.weigh(job, total_rows)
 
     def phase(self, group: Group, phase: Callable[[Job, int], Any]) -> None:
         """One phase of the routine on every device at once (the MXNet-style calls)."""
