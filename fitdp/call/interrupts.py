@@ -35,7 +35,6 @@ class InterruptGuard:
         self._installs = 0
         self._pending = False
         self._previous: Any = None
-        self._section = _Section(self)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self._depth:
@@ -65,36 +64,27 @@ class InterruptGuard:
                 self._previous = None
 
     def critical(self) -> contextlib.AbstractContextManager[None]:
-        """Run the block whole: a SIGINT during it is raised when it ends.
-
-        Returns a reusable context object (entered every step; measured with the handler
-        installed: 0.2 us per entry, against 0.8 for a generator-based context manager)."""
+        """Run the block whole: a SIGINT during it is raised when it ends. Returns the guard
+        itself (a reusable context: entering it is two calls) once ``installed()``, else a
+        context that installs the handler for the block."""
         if self._installs == 0 and threading.current_thread() is threading.main_thread():
             return self._installed_critical()
-        return self._section
+        return self
 
     @contextlib.contextmanager
     def _installed_critical(self) -> Iterator[None]:
-        with self.installed(), self._section:
+        with self.installed(), self:
             yield
 
-
-class _Section:
-    """``InterruptGuard.critical()``'s context object (re-entrant: the guard counts depth)."""
-
-    __slots__ = ("_guard",)
-
-    def __init__(self, guard: InterruptGuard) -> None:
-        self._guard = guard
-
     def __enter__(self) -> None:
-        self._guard._depth += 1
+        """Enter a critical section (re-entrant: the depth is counted); the caller has the
+        handler ``installed()`` (else a SIGINT is not held)."""
+        self._depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        guard = self._guard
-        guard._depth -= 1
-        if guard._pending and guard._depth == 0:
-            guard._pending = False
+        self._depth -= 1
+        if self._pending and self._depth == 0:
+            self._pending = False
             raise KeyboardInterrupt
 
 

@@ -50,12 +50,6 @@ class RunState:
         if epoch != self.epoch or self.epoch_done:
             self.epoch, self.epoch_done, self.batch = epoch, False, 0
 
-    def stepped(self, batches: int) -> None:
-        """An optimizer step ended, after ``batches`` more batches of this epoch."""
-        self.global_step += 1
-        self.micro_step = 0
-        self.batch += batches
-
     @property
     def next_epoch(self) -> int:
         """The epoch a resumed run continues with."""

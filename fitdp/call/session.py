@@ -64,6 +64,7 @@ class Session:
         # train_step steps them (``Model.optimizer_step``) and fitdp takes no step itself.
         self.custom = replicas.step
         self.epoch_logs = EpochLogs(self.mgr, self.metrics, run, self.custom, plan.ranks)
+        self.distributed = plan.ranks.enabled  # (read at every step boundary)
         self.manual = trainer is not None and trainer.manual
         if self.custom is not None and self.custom.meeting is not None:
             self.custom.meeting.reset()  # no failure of an earlier call survives into this one
@@ -76,13 +77,13 @@ class Session:
         cpu = all(d.type == "cpu" for d in replicas.placement.devices)
         cbs = plan.callbacks
         needs = getattr(cbs, "needs_batch_logs", True)
-        self.exact_logs = cbs.sync_every_batch or (cpu and not plan.ranks.enabled and needs)
+        self.exact_logs = cbs.sync_every_batch or (cpu and not self.distributed and needs)
         # No batch-end hook at all: no logs are read between epoch ends (each read folds
         # the losses and syncs); a hook gets the latest values, never empty. Under
         # torch.distributed a read is a collective, and ranks may hold other callbacks (the
         # progress bar is rank 0's): read as planned.
         listens = cbs.listens("on_train_batch_end") or cbs.listens("on_test_batch_end")
-        self.batch_reads = self.exact_logs or listens or plan.ranks.enabled
+        self.batch_reads = self.exact_logs or listens or self.distributed
         self.data_state: dict[str, Any] | None = None  # train source at the last step
         self.watching = False  # SIGTERM is read between training steps (``preemption``)
         self.vote: Any = None  # under torchrun: the flag of the last step boundary, in flight
@@ -146,7 +147,7 @@ class Session:
         self.stop_if_preempted()  # (before the partial step below: the backup is of the last)
         self.epoch_logs.live = False
         if run.micro_step:  # the epoch's last batches, fewer than grad_accum_steps
-            with GUARD.critical():
+            with GUARD:
                 if not self.manual:
                     self.train.step_now()  # type: ignore[union-attr]
                 self._stepped()
@@ -192,7 +193,9 @@ class Session:
         """Forward and backward of one batch; an optimizer step every ``grad_accum_steps``
         batches. Runs whole: a Ctrl-C during it is raised after it."""
         run = self.run
-        with GUARD.critical():  # the step's one guard (the bound step holds none)
+        # The step's one guard (the bound step holds none); the call holds the handler
+        # installed (``fitdp.model.facade``), so entering it is all a step pays.
+        with GUARD:
             if self.mode is not True:
                 self._set_mode(True)
             monitor = self.monitor
@@ -248,9 +251,9 @@ class Session:
         answer at the same boundary."""
         if not self.watching:
             return False
-        ranks = self.plan.ranks
-        if not ranks.enabled:
+        if not self.distributed:
             return SIGTERM.requested
+        ranks = self.plan.ranks
         earlier, self.vote = self.vote, ranks.vote(SIGTERM.requested)
         return earlier is not None and ranks.tally(earlier)
 
@@ -288,7 +291,10 @@ class Session:
         """What follows an optimizer step: the scheduler, the counters, the data position."""
         if self.step_scheduler:
             self.trainer.step_scheduler("step")  # type: ignore[union-attr]
-        self.run.stepped(self.run.micro_step)
+        run = self.run
+        run.global_step += 1
+        run.batch += run.micro_step  # the batches this step took
+        run.micro_step = 0
         self.data_state = self.plan.source.state_dict()
         if self.accum > 1:  # a checkpoint between steps saves the logs of this step
             self.epoch_logs.mark()
@@ -423,8 +429,6 @@ class Session:
         if self.mode is not bound.is_train:
             self._set_mode(bound.is_train)
         if self.checked:
-            if self.metrics is not None:  # time-major outputs reach them batch-first
-                self.metrics.axis = batch.axis
             bound(batch, zero_grad=zero_grad, step=step, total_rows=batch.global_rows)
             return
         trainer = self.trainer
@@ -478,7 +482,7 @@ class Session:
     def read_logs(self) -> dict[str, float]:
         """Mean loss and every metric since the last reset (the one host sync)."""
         total, count = self.mgr.loss_state()
-        if self.plan.ranks.enabled:
+        if self.distributed:
             total, count = self.plan.ranks.all_reduce_sum(torch.stack([total, count]))
         rows = float(count)
         logs = {"loss": float(total) / rows} if rows else {}
@@ -492,7 +496,7 @@ class Session:
         """The other logs a custom step returned, each the mean over the samples (and
         ranks) since the last reset."""
         extra = self.custom.logs()  # type: ignore[union-attr]
-        if self.plan.ranks.enabled and extra:
+        if self.distributed and extra:
             sums = self.plan.ranks.all_reduce_sum(torch.tensor(
                 [v for key in sorted(extra) for v in extra[key]], dtype=torch.float64))
             extra = {key: [float(sums[2 * i]), float(sums[2 * i + 1])]

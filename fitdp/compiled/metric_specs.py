@@ -127,7 +127,7 @@ class MetricSpec:
         it is a Keras name); returns the metric."""
         if self.output is not None:
             outputs, labels = outputs[self.output], labels[self.output]
-        metric = self.build(outputs, labels)
+        metric = self.metric if self.metric is not None else self.build(outputs, labels)
         if self.prepare is not None:
             metric.update(*self.prepare(outputs, labels, weight))
         else:

@@ -82,7 +82,7 @@ class DeviceMetrics:
         self.templates = {n: m if isinstance(m, MetricSpec) else MetricSpec(m)
                           for n, m in metrics.items()}
         self.devices = list(devices)
-        # The batch axis of the data being run (set per batch by the session): time-major
+        # The batch axis of the data being run (set per batch by the bound step): time-major
         # outputs and labels are moved batch-first before update (``sequence.batch_first``).
         self.axis = 0
         self.specs = [{n: m.on(dev) for n, m in self.templates.items()} for dev in devices]
@@ -127,14 +127,17 @@ class DeviceMetrics:
             out_axes: each output's batch axis (``Executor.output_axes``: time-major data's
                 outputs may be batch-first already); None: the batch's.
         """
-        outputs, labels = tree_map(torch.Tensor.detach, (outputs, labels))
+        detach = torch.Tensor.detach
+        outputs, labels = tree_map(detach, outputs), tree_map(detach, labels)
         if self.axis:
             outputs, labels = batch_first(outputs, labels, self.axis, out_axes)
         if self.whole:
             self._pending[device_index] = (outputs, labels, weight)
         sliced = self._sliced[device_index]
         if sliced:
-            inputs = {_storage(t) for t in tree_leaves((outputs, labels, weight))}
+            # Each tree on its own: plain tensors (the common case) need no walk.
+            leaves = tree_leaves(outputs) + tree_leaves(labels) + tree_leaves(weight)
+            inputs = set(map(_storage, leaves))
             for name, spec in sliced:
                 _update_owned(name, spec, outputs, labels, weight, inputs)
 
@@ -142,6 +145,8 @@ class DeviceMetrics:
         """After every device's ``update`` of a batch: update the metrics that need the
         whole batch, with the slices joined in device order along the batch ``axis`` (0
         when ``update`` made them batch-first)."""
+        if not self.whole:
+            return
         parts = [p for p in self._pending if p is not None]
         if not parts:
             return

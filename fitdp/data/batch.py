@@ -92,7 +92,8 @@ def tree_map_axes(fn: Callable[[torch.Tensor, int], Any], tree: Any, axes: Axes)
 def take_rows(tree: Any, rows: slice, axis: Axes = 0) -> Any:
     """``rows`` of every tensor of ``tree`` along the batch ``axis`` (or per-tensor axes)."""
     if axis == 0:
-        return tree_map(lambda t: t[rows], tree)
+        return tree[rows] if isinstance(tree, torch.Tensor) else tree_map(
+            lambda t: t[rows], tree)
     return tree_map_axes(lambda t, a: t[(slice(None),) * a + (rows,)], tree, axis)
 
 

@@ -93,12 +93,8 @@ class FlatBuckets:
 
     def zero_device(self, d: int) -> None:
         """Zero device ``d``'s gradient buckets (on its own thread, before its backward),
-        re-binding first any ``.grad`` that was replaced or cleared; without gradient
-        buckets, set its gradients to None for backward to write anew."""
-        if not self.grads:
-            for p in self.params[d]:
-                p.grad = None
-            return
+        re-binding first any ``.grad`` that was replaced or cleared (``grads`` only: without
+        gradient buckets, ``Update.zero_device`` sets the gradients to None)."""
         for p, v in zip(self.params[d], self.grad_views[d]):
             if p.grad is not v:
                 p.grad = v

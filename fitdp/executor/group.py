@@ -110,8 +110,8 @@ class DataParallelExecutorGroup:
         if probe is not None:
             self.end_turns(probe)
         metric = job.step.metric  # type: ignore[union-attr]
-        if metric is not None:
-            metric.end_batch(job.axis)  # the metrics that update with the whole batch
+        if metric is not None and metric.whole:  # metrics that update with the whole batch
+            metric.end_batch(job.axis)
         if self.bucketed:
             self.warn_grown()
 

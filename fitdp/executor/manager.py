@@ -26,7 +26,7 @@ from fitdp.executor.sharing import bucket_replicas, check_unique_names, hashable
 from fitdp.executor.slicing import check_work_load_arg, device_slices
 from fitdp.executor.step import Scale, Step, backward_share, forward_share, load_share, metric_share
 from fitdp.executor.update import NamedUpdate, Update
-from fitdp.executor.weighing import Weighing, global_rows
+from fitdp.executor.weighing import Weighing
 from fitdp.executor.workers import DeviceWorkers
 
 # Parameters or buffers: names, their ``[name][device]`` tensors, and the caller's by name.
@@ -225,7 +225,7 @@ class DataParallelExecutorManager:
         group = self.curr_execgrp
         group.set_mode(is_train)
         step = self._step(is_train)
-        step.weigh(group.job, total_rows)
+        step.weighing.weigh(group.job, total_rows, step.rows_over_ranks)
         group.job.step = step  # (the turns read its compute)
         probe = group.begin_turns(is_train)
         step.phase(group, forward_share)
@@ -517,7 +517,7 @@ class DataParallelExecutorManager:
         """
         update = self._update(optimizer, scaler, clip_norm)
         with guard if guard is not None else contextlib.nullcontext():
-            if update.prepare(True):
+            if update.optimizer is not None:
                 update.apply()
 
     def zero_grad(self) -> None:
@@ -632,10 +632,6 @@ class DataParallelExecutorManager:
         if slices is None:
             slices = self._slices[rows] = device_slices(rows, self.work_load_list)
         return slices
-
-    def global_rows(self, local: int) -> int | torch.Tensor:
-        """This step's rows summed over the ranks (see ``weighing.global_rows``)."""
-        return global_rows(local, self.devices[0])
 
     def weighing(self) -> Weighing:
         """The weighing of this manager's slices (``fitdp.executor.weighing``), for what

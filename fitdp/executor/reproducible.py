@@ -332,7 +332,7 @@ class ReproducibleStep:
     def step_now(self) -> None:
         """The optimizer step alone, from the gradients of the batches run so far."""
         update = self.update
-        if update is not None and update.prepare(True):
+        if update is not None and update.optimizer is not None:
             update.apply()
 
     def _task(self, batch: DataBatch, axis: int, parts: list[slice], counts: list[float],

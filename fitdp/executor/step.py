@@ -123,10 +123,11 @@ def metric_share(job: Job, d: int) -> None:
         if isinstance(hf_labels, torch.Tensor):
             outputs, labels = outputs["logits"], hf_labels
     if ex.valid > 0 and labels is not None:
-        axes = ex.output_axes(outputs)
-        metric = job.step.metric  # type: ignore[union-attr]
-        metric.update(d, take_rows(outputs, slice(0, ex.valid), axes), ex.valid_rows(labels),
-                      ex.valid_rows(ex.weights), axes)
+        axes, weights = ex.output_axes(outputs), ex.weights
+        if ex.valid < ex.rows:  # padding rows stay out of the metric
+            outputs = take_rows(outputs, slice(0, ex.valid), axes)
+            labels, weights = ex.valid_rows(labels), ex.valid_rows(weights)
+        job.step.metric.update(d, outputs, labels, weights, axes)  # type: ignore[union-attr]
 
 
 def device_share(job: Job, d: int) -> None:
@@ -219,8 +220,6 @@ class Manager(Protocol):
 
     def slices_for(self, rows: int) -> list[slice]: ...
 
-    def global_rows(self, local: int) -> int | torch.Tensor: ...
-
     def use_loads(self, loads: list[float], seconds: Sequence[float] | None) -> None: ...
 
     def weighing(self) -> Weighing: ...
@@ -265,13 +264,15 @@ class Step:
         rows the mean loss is taken over (default: this batch's, summed over the ranks)."""
         rows, axis = checked_rows(batch)
         self.samples += rows - batch.pad
+        if self.metric is not None:  # time-major outputs reach it batch-first
+            self.metric.axis = axis
         mgr = self.mgr
         group = self.group or mgr.group_of(batch, checked=True)
         job = group.job
         job.set(batch, rows, axis, mgr.slices_for(rows))
-        self.weigh(job, total_rows)
+        self.weighing.weigh(job, total_rows, self.rows_over_ranks)
         update = self.update
-        stepping = update is not None and update.prepare(step)
+        stepping = step and update is not None and update.optimizer is not None
         if self.engine is not None:
             self.engine.prepare(stepping)
         job.update = update if zero_grad else None
@@ -288,15 +289,6 @@ class Step:
         if stepping:
             update.apply()  # type: ignore[union-attr]
 
-    def weigh(self, job: Job, total_rows: int | torch.Tensor | None) -> None:
-        """Each slice's loss weight (``fitdp.executor.weighing``); ``total_rows`` defaults
-        to the batch's valid rows (summed over the ranks in training)."""
-        if total_rows is None:
-            total_rows = sum(job.valid)
-            if self.rows_over_ranks:
-                total_rows = self.mgr.global_rows(total_rows)
-        self.weighing.weigh(job, total_rows)
-
     def phase(self, group: Group, phase: Callable[[Job, int], Any]) -> None:
         """One phase of the routine on every device at once (the MXNet-style calls)."""
         job = group.job
@@ -310,5 +302,5 @@ class Step:
     def step_now(self) -> None:
         """The optimizer step alone, from the gradients of the batches run so far."""
         update = self.update
-        if update is not None and update.prepare(True):
+        if update is not None and update.optimizer is not None:
             update.apply()

@@ -1,8 +1,9 @@
 """The optimizer update of a training step, the one place the executor steps an optimizer.
 
 An ``Update`` is bound once per call from what the call fixes (optimizer, ``GradScaler``,
-clipping norm, the flat gradient buckets, the cross-rank reduction) and then only told, per
-batch, whether it ends with a step (``prepare``). Its parts run in order:
+clipping norm, the flat gradient buckets, the cross-rank reduction); the bound step runs
+``apply`` on a batch that ends with an optimizer step (an update without an optimizer only
+zeroes). Its parts run in order:
 
 - ``zero_device(d)``: device ``d``'s gradients zeroed, on its thread, before its backward
   (the batch that starts an optimizer step);
@@ -83,7 +84,6 @@ class Update:
         # Per device, the trainable parameters (fresh gradients, see above).
         self.params: list[list[nn.Parameter]] = (
             [list(ps) for ps in flat.params] if flat is not None else [self.masters])
-        self.stepping = False  # this batch ends with the optimizer step
         self._step = self._bind_step()
 
     def _bind_step(self) -> Callable[[], None]:
@@ -100,23 +100,17 @@ class Update:
         # Looked up per step: an LR scheduler made later wraps the instance's ``step``.
         return lambda: optimizer.step()  # type: ignore[func-returns-value]
 
-    def prepare(self, step: bool) -> bool:
-        """Whether this batch ends with the optimizer step (``step`` and an optimizer to
-        take it); returns it (``stepping``)."""
-        stepping = self.stepping = step and self.optimizer is not None
-        return stepping
-
     # -- what each device thread runs -----------------------------------------------------
 
     def zero_device(self, d: int) -> None:
         """Device ``d``'s gradients: zeroed in place in their buckets, or (no gradient
         buckets, or one replica) set to None for backward to write anew."""
         flat = self.flat
-        if flat is None:
-            for p in self.masters:
-                p.grad = None
-        else:
+        if flat is not None and flat.grads:
             flat.zero_device(d)
+        else:
+            for p in self.params[d]:
+                p.grad = None
 
     def fits(self, optimizer: torch.optim.Optimizer | None) -> bool:
         """Whether this update still describes ``optimizer`` (the same parameter count)."""

@@ -105,6 +105,7 @@ class Weighing:
         # device's count is still what its logged loss weighs.
         self.several = len(devices) > 1 or ranks
         self.ranks = ranks
+        self.lead = devices[0]  # where the rows summed over the ranks are counted
         # Counted from the batch's rows on this thread: no device needs its slice first.
         self.from_batch = not ranks and all(d.type == "cpu" for d in devices)
         self._clean: tuple[torch.Tensor, int] | None = None  # labels with no target ignored
@@ -138,9 +139,16 @@ class Weighing:
                         take_rows(batch.label, rows, axis))
         return n if c is None else float(c)
 
-    def weigh(self, job: Slices, total_rows: int | torch.Tensor) -> None:
+    def weigh(self, job: Slices, total_rows: int | torch.Tensor | None,
+              over_ranks: bool = False) -> None:
         """Each device's loss weight and count into ``job``: its valid rows over
-        ``total_rows``, or its share of the counted targets."""
+        ``total_rows``, or its share of the counted targets. ``total_rows`` None: the
+        batch's valid rows, summed over the ranks with ``over_ranks`` (a training step under
+        torch.distributed: the ranks' batches may differ in size)."""
+        if total_rows is None:
+            total_rows = sum(job.valid)
+            if over_ranks:
+                total_rows = global_rows(total_rows, self.lead)
         executors, weights, counts, valid = job.executors, job.weights, job.counts, job.valid
         if not isinstance(total_rows, torch.Tensor):
             denom = float(max(total_rows, 1))
@@ -160,12 +168,14 @@ class Weighing:
             if self.all_counted(label):
                 # No target ignored: each slice counts its rows times the targets per row
                 # (the weights stay the rows'; the logged count is the targets', which
-                # differ from the rows' when batches differ in length: buckets).
-                rows = label.shape[axis_of(label, job.axis)] if label.dim() else 1
-                per_row = label.numel() // max(rows, 1)
-                if per_row != 1:
-                    for d in range(len(counts)):
-                        counts[d] = valid[d] * per_row
+                # differ from the rows' when batches differ in length: buckets). Labels of
+                # one dim have one target per row: the rows' counts.
+                if label.dim() > 1:
+                    rows = label.shape[axis_of(label, job.axis)]
+                    per_row = label.numel() // max(rows, 1)
+                    if per_row != 1:
+                        for d in range(len(counts)):
+                            counts[d] = valid[d] * per_row
                 return
             parts: list[tuple[Any, Any] | None] = []
             for sl, v in zip(job.slices, valid):

@@ -91,7 +91,8 @@ class DeviceWorkers:
         """
         if len(tasks) == 1 and not self._cuda:
             return [tasks[0]()]  # on the caller, in its own context already
-        tasks = self._in_context(tasks)
+        if self._cuda or torch.is_autocast_enabled("cpu"):  # (CPU without autocast: as they are)
+            tasks = self._in_context(tasks)
         if len(tasks) == 1:
             return [tasks[0]()]
         slots = self._slots
@@ -123,11 +124,9 @@ class DeviceWorkers:
         return results
 
     def _in_context(self, tasks: Sequence[Callable[[], Any]]) -> Sequence[Callable[[], Any]]:
-        """``tasks``, each entering its device, stream and the caller's autocast state where
-        there is one to carry (CPU without autocast: the tasks as they are, no cost)."""
+        """``tasks``, each entering its device, stream and the caller's autocast state (the
+        caller has one to carry: CUDA devices or CPU autocast)."""
         cpu_autocast = torch.is_autocast_enabled("cpu")
-        if not (self._cuda or cpu_autocast):
-            return tasks
         cuda_autocast = self._cuda and torch.is_autocast_enabled("cuda")
         states = {kind: torch.get_autocast_dtype(kind) for kind, on in
                   (("cpu", cpu_autocast), ("cuda", cuda_autocast)) if on}
