@@ -63,20 +63,20 @@ class CustomStep:
         # slices by it, as on the built-in path); None: rows.
         self.counts: Any = None
         self.manager: Any = None
-        self.trainer: Any = None
+        self.compiled: Any = None
         # Per device: log key -> (sum of value * rows, rows) of extra logs a step returned.
         self._logs: list[dict[str, list[Any]]] = [{} for _ in devices]
 
-    def bind(self, manager: Any, trainer: Any) -> None:
+    def bind(self, manager: Any, compiled: Any) -> None:
         """The executor manager the step runs in (a device's index is its executor's place
         in its group; ``optimizer_step`` reduces and steps through its ``Update``) and the
         compiled setup (``Compiled``, or None): with several optimizers ``train_step``
         steps them (``Compiled.manual``), under its scaler and clipping."""
-        self.manager, self.trainer = manager, trainer
-        self.manual = trainer is not None and trainer.manual
+        self.manager, self.compiled = manager, compiled
+        self.manual = compiled is not None and compiled.manual
         # Slice weights never come from a loss the step may not call: only from what is
         # declared (compile's loss_items, or a loss with counts such as TokenMean).
-        self.counts = trainer.objective.declared_counts if trainer is not None else None
+        self.counts = compiled.objective.declared_counts if compiled is not None else None
 
     def _device_index(self, ex: Any) -> tuple[int, Any]:
         index = self._index.get(id(ex))
@@ -163,9 +163,9 @@ class CustomStep:
     def update(self, optimizer: torch.optim.Optimizer) -> Any:
         """The executor's ``Update`` for ``optimizer`` (``manager.manual_update``), under the
         compiled scaler (16-mixed) and ``grad_clip_norm``."""
-        trainer = self.trainer
-        clip = trainer.config.grad_clip_norm if trainer is not None else None
-        scaler = trainer.scaler if trainer is not None else None
+        compiled = self.compiled
+        clip = compiled.config.grad_clip_norm if compiled is not None else None
+        scaler = compiled.scaler if compiled is not None else None
         return self.manager.manual_update(optimizer, scaler=scaler, clip_norm=clip)
 
     def backward(self, context: ReplicaContext, optimizer: torch.optim.Optimizer,

@@ -54,7 +54,7 @@ class Replicas:
             it, the replica is the module itself).
         bucket_module: ``callable(bucket_key) -> nn.Module`` (MXNet's ``sym_gen``) or None.
         placement: devices, work loads, ranks, default bucket.
-        trainer: the compiled setup, or None.
+        compiled: the compiled setup, or None.
         step: a model subclass's own step (``CustomStep``), or None: the built-in step.
 
     Raises:
@@ -63,48 +63,48 @@ class Replicas:
     """
 
     def __init__(self, module: nn.Module, bucket_module: Callable[[Any], nn.Module] | None,
-                 placement: Placement, trainer: Compiled | None,
+                 placement: Placement, compiled: Compiled | None,
                  step: CustomStep | None = None) -> None:
-        autocast = trainer.autocast_dtype if trainer is not None else None
+        autocast = compiled.autocast_dtype if compiled is not None else None
         devices = list(placement.devices)
         # The call's engine, chosen once (a strategy that cannot run here fails before any
         # copy); predict without compile: the manager's default, fitdp's own.
-        engine = engine_for(trainer.config.strategy, devices, placement.ranks.world_size,
+        engine = engine_for(compiled.config.strategy, devices, placement.ranks.world_size,
                             bucketed=bucket_module is not None,
-                            compiled=bool(trainer.config.compile),
-                            custom_step=step is not None) if trainer else None
+                            compiled=bool(compiled.config.compile),
+                            custom_step=step is not None) if compiled else None
         if autocast is torch.float16 and any(d.type != "cuda" for d in devices):
             fail("compile(precision='16-mixed')", [str(d) for d in devices],
                  "CUDA devices only (it uses a CUDA GradScaler)",
                  "precision='bf16-mixed' on the CPU, or run on CUDA devices")
-        if placement.distributed and trainer is not None and trainer.config.sync_batchnorm:
+        if placement.distributed and compiled is not None and compiled.config.sync_batchnorm:
             _convert_sync_batchnorm(module, devices)
         self.placement = placement
-        self.trainer = trainer
+        self.compiled = compiled
         # Metrics first: a metric that cannot be merged across devices fails before any
         # thread is started.
-        self.metrics = DeviceMetrics(trainer.metrics, devices) if trainer and trainer.metrics \
+        self.metrics = DeviceMetrics(compiled.metrics, devices) if compiled and compiled.metrics \
             else None
         self.manager = DataParallelExecutorManager(
             module, devices, work_load_list=list(placement.work_load_list),
             bucket_module=bucket_module, default_bucket_key=placement.default_bucket_key,
-            loss=trainer.objective if trainer is not None else None,
-            compile=trainer.config.compile if trainer is not None else False,
+            loss=compiled.objective if compiled is not None else None,
+            compile=compiled.config.compile if compiled is not None else False,
             autocast_dtype=autocast, distributed=placement.distributed, compute=step,
             engine=engine,
-            forward_kwargs=trainer.forward_kwargs if trainer is not None else None,
+            forward_kwargs=compiled.forward_kwargs if compiled is not None else None,
         )
         self.engine = self.manager.engine
         self.step = step
         if step is not None:
-            step.bind(self.manager, trainer)
-        if autocast is torch.float16 and trainer is not None and trainer.scaler is None:
-            trainer.scaler = torch.amp.GradScaler("cuda")
+            step.bind(self.manager, compiled)
+        if autocast is torch.float16 and compiled is not None and compiled.scaler is None:
+            compiled.scaler = torch.amp.GradScaler("cuda")
             # The scaler makes its scale tensor on first use: here, in one thread, not in
             # the device threads that scale their losses at once.
-            trainer.scaler.scale(torch.zeros((), device=devices[0]))
+            compiled.scaler.scale(torch.zeros((), device=devices[0]))
 
-    def fits(self, module: nn.Module, placement: Placement, trainer: Compiled | None) -> bool:
+    def fits(self, module: nn.Module, placement: Placement, compiled: Compiled | None) -> bool:
         """Whether this call can run on these replicas as they are (same placement and
         compile, and no parameter of ``module`` frozen or unfrozen since they were made:
         gradients exist only for the trainable ones)."""
@@ -114,7 +114,7 @@ class Replicas:
         return (placement.devices == here.devices
                 and placement.work_load_list == here.work_load_list
                 and placement.ranks == here.ranks and same_bucket
-                and (trainer is self.trainer or trainer is None)
+                and (compiled is self.compiled or compiled is None)
                 and [p.requires_grad for p in module.parameters()] == self.manager.trainable)
 
     def prepare(self, plan: SourcePlan) -> None:

@@ -3,7 +3,7 @@
 ``Model.fit``/``evaluate``/``predict`` open a ``Session`` for the length of the call. It
 owns what only lives that long (the latest logs, the data position of the last optimizer
 step, the first-batch checks) and changes the model's lasting state only through the
-``RunState``, the trainer's optimizer and the replicas.
+``RunState``, the compiled setup's optimizer and the replicas.
 """
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ class Session:
     """The steps of one call (see the module docstring).
 
     Args:
-        trainer: the compiled setup (None: predict without compile).
+        compiled: the compiled setup (None: predict without compile).
         replicas: the manager and metric clones the call runs on.
         run: the model's run state.
         plan: the call's checked arguments.
         modes: every submodule's train/eval mode at the call's start.
     """
 
-    def __init__(self, trainer: Compiled | None, replicas: Replicas, run: RunState,
+    def __init__(self, compiled: Compiled | None, replicas: Replicas, run: RunState,
                  plan: CallPlan, modes: Modes) -> None:
-        self.trainer, self.replicas, self.run, self.plan = trainer, replicas, run, plan
+        self.compiled, self.replicas, self.run, self.plan = compiled, replicas, run, plan
         self.mgr = replicas.manager
         self.metrics = replicas.metrics or None  # (no metrics: None, not an empty one)
         self.modes = modes
@@ -65,7 +65,7 @@ class Session:
         self.custom = replicas.step
         self.epoch_logs = EpochLogs(self.mgr, self.metrics, run, self.custom, plan.ranks)
         self.distributed = plan.ranks.enabled  # (read at every step boundary)
-        self.manual = trainer is not None and trainer.manual
+        self.manual = compiled is not None and compiled.manual
         if self.custom is not None and self.custom.meeting is not None:
             self.custom.meeting.reset()  # no failure of an earlier call survives into this one
         self.logs: dict[str, float] = {}
@@ -91,12 +91,12 @@ class Session:
         self.rates: dict[str, float] = {}  # the last training epoch's (``Throughput``)
         self.checked = False  # the first batch ran (its errors came back with context)
         self.verified = False  # the checks that need the model's outputs are done
-        self.scale = trainer.loss_scale() if trainer is not None else None
+        self.scale = compiled.loss_scale() if compiled is not None else None
         # Fixed for the call (compile cannot run during one): read once, not every step.
-        config = trainer.config if trainer is not None else None
+        config = compiled.config if compiled is not None else None
         self.accum = config.grad_accum_steps if config is not None else 1
         self.clip = config.grad_clip_norm if config is not None else None
-        self.step_scheduler = trainer is not None and trainer.scheduler is not None
+        self.step_scheduler = compiled is not None and compiled.scheduler is not None
         if self.monitor is not None:
             self.mgr.install_monitor(self.monitor)
         # Measured loads for this call, or the placement's (replicas kept from an "auto"
@@ -114,9 +114,9 @@ class Session:
         self.test = self.mgr.bind_step(False, metric=self.metrics, named=named,
                                        micro_batch_size=micro)
         self.train = self.mgr.bind_step(
-            True, optimizer=trainer.optimizer, scaler=trainer.scaler, clip_norm=self.clip,
+            True, optimizer=compiled.optimizer, scaler=compiled.scaler, clip_norm=self.clip,
             scale=self.scale, metric=self.metrics, named=named,
-            micro_batch_size=micro) if trainer is not None else None
+            micro_batch_size=micro) if compiled is not None else None
         # Last: the blocks' forwards are put back by ``close``, which runs once this is made.
         blocks = config.activation_checkpointing if config is not None else None
         self.checkpointing = ActivationCheckpointing(
@@ -290,7 +290,7 @@ class Session:
     def _stepped(self) -> None:
         """What follows an optimizer step: the scheduler, the counters, the data position."""
         if self.step_scheduler:
-            self.trainer.step_scheduler("step")  # type: ignore[union-attr]
+            self.compiled.step_scheduler("step")  # type: ignore[union-attr]
         run = self.run
         run.global_step += 1
         run.batch += run.micro_step  # the batches this step took
@@ -313,11 +313,11 @@ class Session:
 
     def end_epoch(self, logs: dict[str, float]) -> None:
         """Record the rate this epoch trained with, then step a per-epoch scheduler."""
-        assert self.trainer is not None  # noqa: S101
-        lr = self.trainer.learning_rate
+        assert self.compiled is not None  # noqa: S101
+        lr = self.compiled.learning_rate
         if lr is not None:
             logs["lr"] = lr
-        self.trainer.step_scheduler("epoch")
+        self.compiled.step_scheduler("epoch")
         self.run.epoch_done = True
 
     @torch.no_grad()
@@ -431,19 +431,19 @@ class Session:
         if self.checked:
             bound(batch, zero_grad=zero_grad, step=step, total_rows=batch.global_rows)
             return
-        trainer = self.trainer
-        uncounted = getattr(trainer.objective, "warn_uncounted", None) if trainer else None
+        compiled = self.compiled
+        uncounted = getattr(compiled.objective, "warn_uncounted", None) if compiled else None
         if uncounted is not None and bound.is_train:  # compile(loss=None)
             uncounted(batch.data, batch.label)
-        custom_rows = getattr(trainer.objective, "warn_custom_step_rows", None) \
-            if trainer is not None and self.custom is not None else None
+        custom_rows = getattr(compiled.objective, "warn_custom_step_rows", None) \
+            if compiled is not None and self.custom is not None else None
         several = len(self.mgr.devices) > 1 or self.plan.ranks.enabled
         if custom_rows is not None and bound.is_train and several and batch.label is not None:
             custom_rows(batch.label)
-        if trainer is not None and batch.label is not None and self.custom is None:
-            trainer.objective.check_targets(batch.label)
-            if batch.sample_weight is not None and not trainer.objective.supports_sample_weight:
-                raise ValueError(trainer.objective.no_weights_message())
+        if compiled is not None and batch.label is not None and self.custom is None:
+            compiled.objective.check_targets(batch.label)
+            if batch.sample_weight is not None and not compiled.objective.supports_sample_weight:
+                raise ValueError(compiled.objective.no_weights_message())
         try:
             self.checked = True
             self._one_batch(bound, batch, zero_grad, step)
@@ -465,12 +465,12 @@ class Session:
         self.verified = True  # and one CPU row kept for summary()'s output shapes:
         self.example_inputs = tree_map(lambda t: t.to("cpu", copy=True), take_rows(
             batch.data, slice(0, 1), batch.axis))
-        if self.trainer is None or batch.label is None or self.custom is not None:
+        if self.compiled is None or batch.label is None or self.custom is not None:
             return  # (a custom step's outputs and targets are the step's own to check)
         outputs = self.mgr.outputs()
         if not outputs:
             return
-        check_outputs(self.trainer.objective, outputs[0], batch, self.plan.source,
+        check_outputs(self.compiled.objective, outputs[0], batch, self.plan.source,
                       getattr(self.plan, "val", None))
 
     def _batch_logs(self, index: int) -> dict[str, float]:
@@ -556,9 +556,9 @@ class Session:
 def _host_copier(replicas: Replicas) -> Callable[[torch.Tensor], torch.Tensor]:
     """Outputs to the CPU; under mixed precision, floats in the module's own dtype (as Keras
     returns its compute dtype: float32 for a float32 model trained with bf16-mixed)."""
-    trainer = replicas.trainer
+    compiled = replicas.compiled
     dtype = None
-    if trainer is not None and trainer.autocast_dtype is not None:
+    if compiled is not None and compiled.autocast_dtype is not None:
         params = replicas.manager.master_parameters() or [
             p for row in replicas.manager.param_arrays for p in row[:1]]
         dtype = next((p.dtype for p in params if p.is_floating_point()), None)

@@ -31,12 +31,12 @@ if TYPE_CHECKING:
 KerasLogs = dict[str, float] | list[float] | float
 
 
-def keras_logs(logs: dict[str, float], trainer: Compiled, return_dict: bool) -> KerasLogs:
+def keras_logs(logs: dict[str, float], compiled: Compiled, return_dict: bool) -> KerasLogs:
     """Keras's return form of evaluate and the ``*_on_batch`` calls: the dict, or the loss
     alone, or ``[loss, *metrics]`` in compile order."""
     if return_dict:
         return logs
-    values = [logs[k] for k in ("loss", *trainer.metrics) if k in logs]
+    values = [logs[k] for k in ("loss", *compiled.metrics) if k in logs]
     return values[0] if len(values) == 1 else values
 
 
@@ -57,21 +57,21 @@ class ModelExtras:
 
     module: nn.Module
     run: RunState
-    _trainer: Compiled | None
+    _compiled: Compiled | None
     _replicas: Replicas | None
 
     if TYPE_CHECKING:
-        def _call(self, plan: CallPlan, trainer: Compiled | None
+        def _call(self, plan: CallPlan, compiled: Compiled | None
                   ) -> AbstractContextManager[Session]: ...
 
-        def _compiled(self, what: str) -> Compiled: ...
+        def _require_compiled(self, what: str) -> Compiled: ...
 
     def get_compile_config(self) -> dict[str, Any]:
         """What ``compile`` was given, by argument name (Keras's ``get_compile_config``);
         an empty dict before ``compile``. Experiment trackers log it (``MLflowLogger``)."""
-        if self._trainer is None:
+        if self._compiled is None:
             return {}
-        config = self._trainer.config
+        config = self._compiled.config
         return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
     def summary(self, x: Any = None, *, input_shape: Any = None, expand_nested: bool = False,
@@ -145,7 +145,7 @@ class ModelExtras:
             RuntimeError: the model is not compiled.
             ValueError, TypeError: bad data, naming the argument.
         """
-        trainer = self._compiled("train_on_batch")
+        compiled = self._require_compiled("train_on_batch")
         rows = _rows(x)
         place = self._placement(devices)
         plan = plan_fit(
@@ -156,31 +156,31 @@ class ModelExtras:
             devices=place[0], work_load_list=place[1], seed=0, monitor=None, resume=None,
             log_every=1, timeout=DEFAULT_TIMEOUT)
         batch = self.run.batch
-        with self._call(plan, trainer) as session:
+        with self._call(plan, compiled) as session:
             session.reset_logs()
             session.train_step(next(iter(plan.source)), 0)
             logs = session.read_logs()
         # Keras counts the step (optimizer iterations), not a position in some epoch: a
         # later fit(resume=...) of a checkpoint must not think an epoch is half done.
         self.run.batch = batch
-        return keras_logs(logs, trainer, return_dict)
+        return keras_logs(logs, compiled, return_dict)
 
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                       return_dict: bool = False, *, devices: DevicesArg | None = None
                       ) -> KerasLogs:
         """Loss and metrics of one batch, without training (Keras); the metrics restart
         every call. Same return forms and arguments as ``train_on_batch``."""
-        trainer = self._compiled("test_on_batch")
+        compiled = self._require_compiled("test_on_batch")
         plan = self._one_batch_plan(x, y, sample_weight, devices, has_labels=True)
-        with self._call(plan, trainer) as session:
+        with self._call(plan, compiled) as session:
             logs = session.test_pass(plan.source, plan.callbacks, 1)
-        return keras_logs(logs, trainer, return_dict)
+        return keras_logs(logs, compiled, return_dict)
 
     def predict_on_batch(self, x: Any, *, devices: DevicesArg | None = None) -> Any:
         """The module's outputs for one batch, on the CPU (Keras; ``predict`` with the whole
         batch as one step). Needs no compile."""
         plan = self._one_batch_plan(x, None, None, devices, has_labels=False)
-        with self._call(plan, self._trainer) as session:
+        with self._call(plan, self._compiled) as session:
             return session.predict_pass(plan.source, plan.callbacks, 1)
 
     def _one_batch_plan(self, x: Any, y: Any, sample_weight: Any, devices: DevicesArg | None,

@@ -74,7 +74,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         # The last training epoch's samples_per_sec (and tokens_per_sec): History.throughput
         # and the progress bar read it at on_epoch_end (not in the logs: those are Keras's).
         self.throughput: dict[str, float] = {}
-        self._trainer: Compiled | None = None
+        self._compiled: Compiled | None = None
         self._replicas: Replicas | None = None
         self._session: Session | None = None
         self._writer: AsyncCheckpointWriter | None = None  # async saves, made on first use
@@ -96,7 +96,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer (exists right after ``compile``; None for a module without
         parameters)."""
-        return self._trainer.optimizer if self._trainer is not None else None
+        return self._compiled.optimizer if self._compiled is not None else None
 
     @property
     def work_load_list(self) -> list[float] | None:
@@ -113,7 +113,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
     @property
     def lr_scheduler(self) -> Any:
         """The scheduler of ``compile(lr_scheduler=...)``, or None."""
-        return self._trainer.scheduler if self._trainer is not None else None
+        return self._compiled.scheduler if self._compiled is not None else None
 
     # -- compile, fit, evaluate, predict ------------------------------------------------------
 
@@ -171,14 +171,14 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         if self._session is not None:
             raise RuntimeError("compile: called during fit/evaluate/predict (from a callback);"
                                " compile before or after the call")
-        trainer = Compiled.build(self.module, CompileArgs(
+        compiled = Compiled.build(self.module, CompileArgs(
             optimizer, loss, metrics, lr, lr_scheduler, precision, grad_clip_norm,
             grad_accum_steps, compile, sync_batchnorm, loss_weights, strategy=strategy,
             weighted_metrics=weighted_metrics, loss_items=loss_items,
             forward_kwargs=forward_kwargs,
             activation_checkpointing=activation_checkpointing))
         self._release()
-        self._trainer = trainer
+        self._compiled = compiled
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int = 32, epochs: int = 1,
             verbose: int | str = "auto", callbacks: Sequence[Callback] | None = None,
@@ -203,8 +203,8 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         same on any devices, work loads and world size (the global batch fixed), at a cost
         (docs/reproducible.md).
         """
-        trainer = self._compiled("fit")
-        trainer.trainable(self.module)
+        compiled = self._require_compiled("fit")
+        compiled.trainable(self.module)
         plan = plan_fit(
             self, legacy_data(x, legacy, "fit"), y, sample_weight, batch_size=batch_size,
             epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -218,7 +218,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         run, cbs = self.run, plan.callbacks
         self._trained_on = plan.source.plan()  # export's batch and sequence axes
         self._averaging = next((cb for cb in cbs if isinstance(cb, WeightAveraging)), None)
-        with self._call(plan, trainer) as session, session.preemption():
+        with self._call(plan, compiled) as session, session.preemption():
             run.begin_fit(initial_epoch)
             session.start_fit()
             saved = self._resume(plan.resume) if plan.resume else None
@@ -256,14 +256,14 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         """Loss and every metric over the data, from its start: ``{"loss": ...,
         "<metric>": ...}`` (exact over every rank under torch.distributed). With
         ``return_dict=False``, Keras's form: the loss alone, or ``[loss, *metrics]``."""
-        trainer = self._compiled("evaluate")
+        compiled = self._require_compiled("evaluate")
         plan = plan_call(self, legacy_data(x, legacy, "evaluate"), y, sample_weight,
                          batch_size=batch_size, verbose=verbose, callbacks=callbacks,
                          steps=steps, devices=devices, has_labels=True,
                          work_load_list=work_load_list)
-        with self._call(plan, trainer) as session:
+        with self._call(plan, compiled) as session:
             logs = session.test_pass(plan.source, plan.callbacks, plan.steps)
-        return keras_logs(logs, trainer, return_dict)
+        return keras_logs(logs, compiled, return_dict)
 
     def predict(self, x: Any = None, batch_size: int = 32, verbose: int | str = 0,
                 steps: int | None = None, callbacks: Sequence[Callback] | None = None, *,
@@ -278,7 +278,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
                          batch_size=batch_size, verbose=verbose, callbacks=callbacks,
                          steps=steps, devices=devices, has_labels=False,
                          work_load_list=work_load_list)
-        with self._call(plan, self._trainer) as session:
+        with self._call(plan, self._compiled) as session:
             return session.predict_pass(plan.source, plan.callbacks, plan.steps,
                                         pad_value=pad_value, ragged=ragged)
 
@@ -300,7 +300,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
     # -- one call's lifecycle -------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _call(self, plan: CallPlan, trainer: Compiled | None) -> Iterator[Session]:
+    def _call(self, plan: CallPlan, compiled: Compiled | None) -> Iterator[Session]:
         """Run a call on replicas for its placement. On any error or interrupt the model is
         left as after its last completed optimizer step; the host module always ends with
         the averaged weights and every submodule in the train/eval mode it had
@@ -311,11 +311,11 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         modes = Modes(self.module)
         positions = [(s, s.state_dict()) for s in plan.borrowed]
         plan.join()  # under torchrun: the process group, and every rank's data compared
-        replicas = self._attach(plan.placement, trainer)
+        replicas = self._attach(plan.placement, compiled)
         for source in (plan.source, getattr(plan, "val", None)):
             if source is not None:
                 replicas.prepare(source.plan())
-        session = Session(trainer, replicas, self.run, plan, modes)
+        session = Session(compiled, replicas, self.run, plan, modes)
         self._session = session
         try:
             with GUARD.installed():
@@ -340,11 +340,11 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             replicas.store_host(self.module)
             modes.restore(self.module)
 
-    def _attach(self, placement: Placement, trainer: Compiled | None) -> Replicas:
+    def _attach(self, placement: Placement, compiled: Compiled | None) -> Replicas:
         """The replicas for ``placement`` (reused when they fit), holding the host weights,
         with the optimizer bound to them. Built whole before the old ones go."""
         current = self._replicas
-        if current is not None and current.fits(self.module, placement, trainer):
+        if current is not None and current.fits(self.module, placement, compiled):
             current.load_host(self.module)
             return current
         if placement.default_bucket_key is None and current is not None:
@@ -353,9 +353,9 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         self._release()
         step = CustomStep(self, list(placement.devices), placement.distributed) \
             if self.steps_overridden else None
-        replicas = Replicas(self.module, self.bucket_module, placement, self._trainer, step)
-        if self._trainer is not None and self._trainer.optimizer is not None:
-            replicas.bind(self._trainer.optimizer, self.module, to_host=False)
+        replicas = Replicas(self.module, self.bucket_module, placement, self._compiled, step)
+        if self._compiled is not None and self._compiled.optimizer is not None:
+            replicas.bind(self._compiled.optimizer, self.module, to_host=False)
         self._replicas = replicas
         replicas.load_host(self.module)
         return replicas
@@ -367,15 +367,15 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         if replicas is None:
             return
         replicas.store_host(self.module)
-        if replicas.trainer is not None and replicas.trainer.optimizer is not None:
-            replicas.bind(replicas.trainer.optimizer, self.module, to_host=True)
+        if replicas.compiled is not None and replicas.compiled.optimizer is not None:
+            replicas.bind(replicas.compiled.optimizer, self.module, to_host=True)
         replicas.close()
 
-    def _compiled(self, what: str) -> Compiled:
-        if self._trainer is None:
+    def _require_compiled(self, what: str) -> Compiled:
+        if self._compiled is None:
             raise RuntimeError(f"{what}: the model is not compiled. Fix: call model.compile("
                                f"optimizer=..., loss=..., metrics=...) before model.{what}().")
-        return self._trainer
+        return self._compiled
 
     def close(self) -> None:
         """Release the replicas and their worker threads (the weights stay in ``module``);
@@ -431,9 +431,9 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
 
     def _pickle_parts(self) -> list[tuple[str, Any]]:
         parts: list[tuple[str, Any]] = [("bucket_module", self.bucket_module)]
-        if self._trainer is not None:
-            cfg = self._trainer.config
+        if self._compiled is not None:
+            cfg = self._compiled.config
             parts += [("compile(optimizer=...)", cfg.optimizer), ("compile(loss=...)", cfg.loss),
                       ("compile(lr_scheduler=...)", cfg.lr_scheduler),
-                      ("the LR scheduler", self._trainer.scheduler)]
+                      ("the LR scheduler", self._compiled.scheduler)]
         return parts

@@ -154,10 +154,10 @@ class LRFinding:
     run: RunState
 
     if TYPE_CHECKING:
-        def _call(self, plan: CallPlan, trainer: Compiled | None
+        def _call(self, plan: CallPlan, compiled: Compiled | None
                   ) -> AbstractContextManager[Session]: ...
 
-        def _compiled(self, what: str) -> Compiled: ...
+        def _require_compiled(self, what: str) -> Compiled: ...
 
         def _checkpoint_objects(self, origin: str, *, strict: bool = True,
                                 shards: bool = False) -> dict[str, Stateful]: ...
@@ -209,13 +209,13 @@ class LRFinding:
                          low_open=True, fix="pass a factor such as 4.0, or None to never stop")
         smoothing = check_number("find_lr(beta=...)", beta, low=0, high=1, high_open=True,
                                  fix="pass beta=0.98 (fastai's), or 0 for no smoothing")
-        trainer = self._compiled("find_lr")
-        groups = trainer.trainable(self.module).param_groups
-        if trainer.manual:
+        compiled = self._require_compiled("find_lr")
+        groups = compiled.trainable(self.module).param_groups
+        if compiled.manual:
             raise RuntimeError("find_lr: the model has several optimizers, stepped by its "
                                "train_step; find_lr sets one optimizer's rate. Fix: compile "
                                "with one optimizer for the sweep.")
-        accum = trainer.config.grad_accum_steps
+        accum = compiled.config.grad_accum_steps
         objects = self._checkpoint_objects("find_lr")
         before = copy.deepcopy(snapshot(objects))  # (snapshot holds the live tensors)
         try:  # (planning draws the data order's seed from torch's generator: restored too)
@@ -228,7 +228,7 @@ class LRFinding:
                 resume=None, log_every=1, timeout=timeout)
             position = plan.source.state_dict()
             try:
-                with self._call(plan, trainer) as session:
+                with self._call(plan, compiled) as session:
                     self.run.begin_fit(0)
                     session.start_fit()
                     if seed is not None:

@@ -86,7 +86,7 @@ class ModelIO:
     module: nn.Module
     run: RunState
     is_main_process: bool
-    _trainer: Compiled | None
+    _compiled: Compiled | None
     _replicas: Replicas | None
     _session: Session | None
     _writer: AsyncCheckpointWriter | None
@@ -133,12 +133,12 @@ class ModelIO:
             # The measured loads and the slow-replicas check: a resume splits each batch so.
             manager = replicas.manager
             objects["measures"] = Entry(manager.measures, manager.load_measures)
-        trainer = self._trainer
-        if trainer is not None and trainer.optimizer is not None:
-            objects["optimizer"] = OptimizerState(trainer.optimizer, whole=not shards)
+        compiled = self._compiled
+        if compiled is not None and compiled.optimizer is not None:
+            objects["optimizer"] = OptimizerState(compiled.optimizer, whole=not shards)
             for key in ("scheduler", "scaler"):
-                if getattr(trainer, key) is not None:
-                    objects[key] = getattr(trainer, key)
+                if getattr(compiled, key) is not None:
+                    objects[key] = getattr(compiled, key)
         objects["run"] = self.run
         session = self._session
         if session is not None and isinstance(session.plan, FitPlan):
@@ -224,9 +224,9 @@ class ModelIO:
         the snapshot fence) changes them, so an async save may copy them late. Buffers are
         not here: a forward in training mode changes BatchNorm statistics."""
         tensors: list[torch.Tensor] = list(self.module.parameters())
-        trainer = self._trainer
-        if trainer is not None and trainer.optimizer is not None:
-            tensors += [v for state in trainer.optimizer.state.values()
+        compiled = self._compiled
+        if compiled is not None and compiled.optimizer is not None:
+            tensors += [v for state in compiled.optimizer.state.values()
                         for v in state.values() if isinstance(v, torch.Tensor)]
         return tensors
 

@@ -55,7 +55,7 @@ def unpack_x_y_sample_weight(data: Any) -> tuple[Any, Any, Any]:
 class KerasSteps:
     """The overridable steps (module docstring); ``Model`` holds the rest."""
 
-    _trainer: Any
+    _compiled: Any
     _module: nn.Module
 
     @property
@@ -69,7 +69,7 @@ class KerasSteps:
         train without targets (autoencoders, self-supervised; compute_loss gets y=None), and
         a module that computes its own loss (``compile(loss=None)``) finds them in the batch
         dict."""
-        own = self._trainer is not None and hasattr(self._trainer.objective, "loss_of")
+        own = self._compiled is not None and hasattr(self._compiled.objective, "loss_of")
         return own or self.steps_overridden
 
     @property
@@ -117,13 +117,13 @@ class KerasSteps:
             RuntimeError: before ``compile``.
             ValueError: no targets (``y`` is None) for compile's loss.
         """
-        if self._trainer is None:
+        if self._compiled is None:
             raise RuntimeError("compute_loss: the model is not compiled; call "
                                "model.compile(...) first")
         context = current()
         if context is not None and context.owner is self:
             context.outputs = y_pred
-        objective = self._trainer.objective
+        objective = self._compiled.objective
         if y is None and not hasattr(objective, "loss_of"):  # loss=None: y_pred holds it
             fail("y", None, "targets for compile's loss", "pass y to fit/evaluate, or "
                  "override compute_loss (or train_step) for a loss without targets",
@@ -160,9 +160,9 @@ class KerasSteps:
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         """The compiled optimizers by name (one: ``{"0": optimizer}``)."""
-        if self._trainer is None:
+        if self._compiled is None:
             return {}
-        opt = self._trainer.optimizer
+        opt = self._compiled.optimizer
         return dict(opt.optimizers) if isinstance(opt, MultiOptimizer) else {"0": opt}
 
     def optimizer_step(self, name: str, loss: torch.Tensor) -> None:

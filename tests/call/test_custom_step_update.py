@@ -76,7 +76,7 @@ def test_optimizer_step_scales_unscales_and_updates_the_grad_scaler(devices: lis
     ref = _reference(real, 10, clip=0.05)
     model = _model(grad_clip_norm=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)
-    model._trainer.scaler = scaler  # what Replicas makes for 16-mixed on CUDA
+    model._compiled.scaler = scaler  # what Replicas makes for 16-mixed on CUDA
     model.fit(real, batch_size=10, shuffle=False, devices=devices, verbose=0)
     torch.testing.assert_close(dict(model.module.named_parameters()),
                                dict(ref.named_parameters()))

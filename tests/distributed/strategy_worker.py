@@ -86,7 +86,7 @@ for strategy in STRATEGIES:
             assert len(engine.flat.plan) == 3, engine.flat.plan
         if RANK == 0:  # rank 0 alone: fit's end gathered the shards (FSDP2) on every rank
             torch.save(model.get_weights(), os.path.join(OUT, f"{strategy}-{name}.pt"))
-        states = [v for st in model._trainer.optimizer.state.values() for v in st.values()]
+        states = [v for st in model._compiled.optimizer.state.values() for v in st.values()]
         if strategy.startswith("fsdp") and name == "adamw32":  # Adam's moments: shards
             print(f"rank {RANK} {strategy} optimizer state in shards: "
                   f"{sum(isinstance(v, DTensor) for v in states)} of {len(states)}", flush=True)

@@ -28,7 +28,7 @@ def test_compile_refuses_an_unknown_strategy(bad, error):
     model = fitdp.Model(nn.Linear(3, 2))
     with pytest.raises(error, match="strategy"):
         model.compile(optimizer="sgd", loss="mse", strategy=bad)
-    assert model._trainer is None  # nothing kept
+    assert model._compiled is None  # nothing kept
 
 
 def kind(engine) -> tuple[type, object]:

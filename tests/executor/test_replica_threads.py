@@ -215,4 +215,4 @@ def test_sync_batchnorm_with_several_devices_per_rank_is_refused():
     placement = Placement(devices=(torch.device("cpu"),) * 2, work_load_list=(1.0, 1.0),
                           ranks=Ranks(rank=0, world_size=2))  # read only: nothing joined
     with pytest.raises(ValueError, match="sync_batchnorm=True.*one device per rank"):
-        Replicas(model.module, None, placement, model._trainer)
+        Replicas(model.module, None, placement, model._compiled)
