@@ -149,8 +149,8 @@ class Replicas:
         self.engine.stored()
 
     def sharded_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """FSDP2: ``module``'s state with each parameter as this rank's shard (a DTensor, no
-        gather) and the buffers copied from the replica into ``module`` (not sharded)."""
+        """FSDP2: ``module``'s state with each parameter as this rank's shard (its sharded
+        tensor, no gather) and the buffers copied from the replica into ``module`` (not sharded)."""
         wait_for_snapshots()  # an async save may be copying the host buffers
         self.manager.copy_to({}, dict(module.named_buffers()))
         shards = self.manager.named_master_parameters()

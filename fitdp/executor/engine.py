@@ -9,7 +9,7 @@ with the torch types it uses:
 - ``fitdp.executor.local_reduce.LocalReduce``: fitdp's own reduction. One process, or several
   local devices per rank: the replicas' gradients are summed locally in flat buckets, then
   the buckets are all-reduced across the ranks after backward.
-- ``fitdp.executor.ddp.DDPEngine``: the rank's one replica under ``DistributedDataParallel``.
+- ``fitdp.executor.ddp.DDPEngine``: the rank's one replica under torch's DDP wrapper.
 - ``fitdp.executor.fsdp.FSDPEngine``: the rank's one replica sharded by FSDP2.
 
 Every engine keeps fitdp's gradient arithmetic: each slice's loss is already weighted by its
@@ -19,6 +19,7 @@ averaged. Ranks with uneven last batches therefore still give the whole-batch gr
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -38,7 +39,7 @@ class Lead(Protocol):
     ranked: nn.Module | None  # what an empty share still runs (the step's collectives)
 
 
-class EngineOptions:
+class EngineOptions(abc.ABC):
     """The options of a strategy (``fitdp.DDP``, ``fitdp.FSDP``): checked by ``compile``,
     made into the call's engine when a call attaches its replicas."""
 
@@ -46,10 +47,11 @@ class EngineOptions:
 
     def check(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming an option that cannot work."""
+        return None  # the default: nothing to do
 
+    @abc.abstractmethod
     def engine(self) -> Engine:
         """A new engine with these options (one per call's replicas)."""
-        raise NotImplementedError
 
     def check_flag(self, name: str) -> None:
         """Raise ``TypeError`` unless option ``name`` is a bool."""
@@ -59,7 +61,7 @@ class EngineOptions:
                             f"expected True or False")
 
 
-class Engine:
+class Engine(abc.ABC):
     """How a call's replicas share the work (see the module docstring). The defaults are
     those of an engine whose replicas hold whole tensors.
 
@@ -71,24 +73,26 @@ class Engine:
     shards_weights: bool = False
     reduces: bool = False
 
+    @abc.abstractmethod
     def replicas(self, module: nn.Module, devices: Sequence[torch.device],
                  autocast_dtype: torch.dtype | None) -> list[nn.Module]:
         """One replica of the host ``module`` per device."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def bind(self, lead: Lead, params: Sequence[Sequence[nn.Parameter]]
              ) -> FlatBuckets | None:
         """Run the replicas under this engine from now on: ``lead`` is device 0's executor,
         ``params[d]`` device ``d``'s trainable parameters. Returns the flat gradient buckets
         the optimizer step sums over the devices, or None."""
-        raise NotImplementedError
 
     def prepare(self, stepping: bool) -> None:
         """Before a training batch: whether its backward ends with the optimizer step."""
+        return None  # the default: nothing to do
 
     def reduce(self) -> None:
         """After the local sum, before the optimizer step: device 0's gradients summed over
         the ranks."""
+        return None  # the default: nothing to do
 
     def copy_into(self, dst: torch.Tensor, value: torch.Tensor) -> None:
         """A host tensor ``value`` into the replicas' ``dst``."""
@@ -104,13 +108,16 @@ class Engine:
 
     def stored(self) -> None:
         """The host's parameters and the replicas' agree now."""
+        return None  # the default: nothing to do
 
     def carry_optimizer(self, optimizer: torch.optim.Optimizer, to_host: bool) -> None:
         """The optimizer's state moved with its parameters between the host (``to_host``)
         and the replicas."""
+        return None  # the default: nothing to do
 
     def close(self) -> None:
         """Release what the engine holds of the replicas (the manager closes)."""
+        return None  # the default: nothing to do
 
 
 def empty_share(wrapped: nn.Module, inputs: Any) -> None:

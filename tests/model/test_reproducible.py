@@ -252,7 +252,7 @@ def test_an_engine_that_shards_the_weights_is_refused_and_ddp_is_told_not_to_red
     an engine with ``shards_weights`` (the engine interface, not its type); any other engine
     is told that no batch of the mode is its to reduce (DDP's ``no_sync``: prepare(False))."""
     from fitdp.executor import DataParallelExecutorManager  # noqa: PLC0415
-    from fitdp.executor.engine import Engine  # noqa: PLC0415
+    from fitdp.executor.local_reduce import LocalReduce  # noqa: PLC0415
     from fitdp.executor.reproducible import ReproducibleStep  # noqa: PLC0415
 
     mgr = DataParallelExecutorManager(mlp(), ["cpu", "cpu"], loss=nn.functional.cross_entropy)
@@ -263,6 +263,6 @@ def test_an_engine_that_shards_the_weights_is_refused_and_ddp_is_told_not_to_red
     assert isinstance(step, ReproducibleStep)
     step(fitdp.DataBatch(X[:16], Y[:16]), zero_grad=True, step=True)
     assert told == [False]
-    mgr.engine = type("Sharding", (Engine,), {"shards_weights": True})()
+    mgr.engine = type("Sharding", (LocalReduce,), {"shards_weights": True})(False)
     with pytest.raises(ValueError, match=r"reproducible=True.*FSDP2"):
         mgr.bind_step(True, optimizer=opt, micro_batch_size=4)
