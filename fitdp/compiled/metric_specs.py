@@ -38,9 +38,9 @@ class MetricSpec:
 
     Example:
         >>> spec = MetricSpec("accuracy")
-        >>> spec.update(torch.tensor([[2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0]))
-        >>> float(spec.metric.compute()), type(spec.metric).__name__
-        (0.5, 'MulticlassAccuracy')
+        >>> metric = spec.build(torch.tensor([[2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0]))
+        >>> type(metric).__name__
+        'MulticlassAccuracy'
     """
 
     def __init__(self, metric: MetricArg, output: Hashable | None = None, *,
@@ -121,18 +121,6 @@ class MetricSpec:
             self.metric = metric.to(outputs.device)
             self.built_from = (outputs[:0].detach(), labels[:0].detach())
         return self.metric
-
-    def update(self, outputs: Any, labels: Any, weight: torch.Tensor | None = None) -> Metric:
-        """Update the metric with its output of ``outputs`` and ``labels`` (built first if
-        it is a Keras name); returns the metric."""
-        if self.output is not None:
-            outputs, labels = outputs[self.output], labels[self.output]
-        metric = self.metric if self.metric is not None else self.build(outputs, labels)
-        if self.prepare is not None:
-            metric.update(*self.prepare(outputs, labels, weight))
-        else:
-            metric.update(outputs, labels)
-        return metric
 
 
 def state_problem(metric: Metric, state: Any) -> str | None:

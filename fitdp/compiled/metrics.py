@@ -136,8 +136,9 @@ class DeviceMetrics:
         sliced = self._sliced[device_index]
         if sliced:
             # Each tree on its own: plain tensors (the common case) need no walk.
-            leaves = tree_leaves(outputs) + tree_leaves(labels) + tree_leaves(weight)
-            inputs = set(map(_storage, leaves))
+            inputs = set()
+            for t in tree_leaves((outputs, labels, weight)):
+                inputs.add(t.untyped_storage().data_ptr())
             for name, spec in sliced:
                 _update_owned(name, spec, outputs, labels, weight, inputs)
 
@@ -157,7 +158,7 @@ class DeviceMetrics:
             None if moved[0][i] is None else tree_cat([p[i] for p in moved], axis)
             for i in range(3))
         outputs, labels, weight = joined
-        inputs = {_storage(t) for t in tree_leaves(joined)}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves(joined)}
         for name in self.whole:
             _update_owned(name, self.specs[0][name], outputs, labels, weight, inputs)
 
@@ -284,27 +285,40 @@ def _mergeable(clones: Sequence[Metric]) -> bool:
 
 def _update_owned(name: str, spec: MetricSpec, outputs: Any, labels: Any,
                   weight: torch.Tensor | None, inputs: set[int]) -> None:
-    """``spec``'s update, then copy every state that shares storage with an input
+    """``spec``'s metric updated with its output of ``outputs`` and ``labels`` (a Keras name's
+    metric built first), then every state that shares storage with an input copied
     (``inputs``: their storages). Only such a state can see the next batch overwrite it (a
     'cat' list holding the label view, a tensor state set to an input); states computed from
     the inputs (counts, sums, sigmoids) own new storage: accuracy-like metrics never pay.
     A failing update is raised naming the metric (log key ``name``)."""
     m = spec.metric
-    lengths = {} if m is None else {
-        k: len(v) for k, v in m.metric_state.items() if isinstance(v, list)}
+    lengths: dict[str, int] = {}  # each list state's length before the update
+    if m is not None:
+        for key, value in m.metric_state.items():
+            if isinstance(value, list):
+                lengths[key] = len(value)
     try:
-        m = spec.update(outputs, labels, weight if spec.weighted else None)
+        preds, target = outputs, labels
+        if spec.output is not None:
+            preds, target = outputs[spec.output], labels[spec.output]
+        if m is None:
+            m = spec.build(preds, target)
+        if spec.prepare is not None:
+            m.update(*spec.prepare(preds, target, weight if spec.weighted else None))
+        else:
+            m.update(preds, target)
     except Exception as err:
         kind = type(spec.metric).__name__ if spec.metric is not None else str(spec.name)
         raise metric_failure(name, kind, outputs, labels, err) from err
     for key, value in m.metric_state.items():
         if isinstance(value, torch.Tensor):
-            if _storage(value) in inputs:
+            if value.untyped_storage().data_ptr() in inputs:
                 setattr(m, key, value.clone())
             continue
         start = lengths.get(key, 0) if len(value) >= lengths.get(key, 0) else 0
         for i in range(start, len(value)):
-            if isinstance(value[i], torch.Tensor) and _storage(value[i]) in inputs:
+            if isinstance(value[i], torch.Tensor) and \
+                    value[i].untyped_storage().data_ptr() in inputs:
                 value[i] = value[i].clone()
 
 
@@ -356,8 +370,3 @@ def _tensors(value: Any, count: int) -> bool:
 def _copied(state: Mapping[str, Any]) -> dict[str, Any]:
     """A ``metric_state`` that later updates do not change."""
     return {k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in state.items()}
-
-
-def _storage(t: torch.Tensor) -> int:
-    """Where ``t``'s memory starts: equal for a tensor and every view of it."""
-    return t.untyped_storage().data_ptr()

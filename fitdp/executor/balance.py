@@ -18,7 +18,7 @@ import torch
 
 from fitdp.executor.share_clock import ShareClock
 from fitdp.executor.slicing import split_input_slice
-from fitdp.executor.step import Group, Job, device_share
+from fitdp.executor.step import Group, Job, device_share, hand_off
 
 
 class LoadBalancer:
@@ -139,7 +139,7 @@ class Balancing:
         if tasks is None:
             tasks = self._tasks[id(job)] = [functools.partial(self._timed, job, d)
                                              for d in range(len(job.executors))]
-        group.dispatch(tasks)
+        hand_off(group, tasks)
         rows = [s.stop - s.start for s in job.slices]
         for done_rows, seconds in self.clock.finished(rows, self.times):
             new = self.balancer.record(done_rows, seconds)

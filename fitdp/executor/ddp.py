@@ -101,6 +101,7 @@ class DDPEngine(Engine):
     """
 
     reduces = True
+    prepares = True
 
     def __init__(self, options: DDP) -> None:
         self.options = options

@@ -68,10 +68,13 @@ class Engine(abc.ABC):
     Attributes:
         shards_weights: each rank holds a shard of every parameter (saving writes shards).
         reduces: ``reduce`` has work to do after backward (checked once, at bind).
+        prepares: ``prepare`` has work to do before a training batch (checked once per
+            bound step: a step of an engine without it never calls it).
     """
 
     shards_weights: bool = False
     reduces: bool = False
+    prepares: bool = False
 
     @abc.abstractmethod
     def replicas(self, module: nn.Module, devices: Sequence[torch.device],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -13,8 +13,7 @@ from torch import nn
 from fitdp.data.batch import axis_of
 from fitdp.executor.compile_config import CompileConfig
 from fitdp.executor.replica import Executor
-from fitdp.executor.step import Job, device_share
-from fitdp.executor.workers import DeviceWorkers
+from fitdp.executor.step import DeviceWorkers, Job, device_share
 
 # Layers that draw from the generator in training: their CPU replicas run forward in turn.
 _RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
@@ -75,11 +74,15 @@ class DataParallelExecutorGroup:
         buffers = [dict(m.named_buffers()) for m in modules]
         self.aux_names = list(buffers[0])
         self.aux_arrays = [[b[n] for b in buffers] for n in self.aux_names]
-        self.slices: list[slice] = []
         # This batch's work, read by the device threads; the shares are made once (and hold
         # the job, never the group: a dropped model frees its threads at once).
         job = self.job = Job(self.executors)
         self.shares = [functools.partial(device_share, job, d) for d in range(len(devices))]
+
+    @property
+    def slices(self) -> list[slice]:
+        """Each device's rows of the current batch."""
+        return self.job.slices
 
     @property
     def grad_arrays(self) -> list[list[torch.Tensor | None]]:
@@ -92,28 +95,6 @@ class DataParallelExecutorGroup:
         for ex in self.executors:
             if ex.module.training is not is_train:
                 ex.module.train(is_train)
-
-    def dispatch(self, tasks: Sequence[Callable[[], None]]) -> None:
-        """The batch's hand-off (``job`` set and weighed): ``tasks`` (the ``shares``, or
-        timed ones) on the device threads at once; forwards take turns where the replicas
-        share a generator and draw from it."""
-        job = self.job
-        is_train = job.step.is_train  # type: ignore[union-attr]
-        self.set_mode(is_train)
-        self.slices = job.slices
-        if is_train and self.stochastic is not False:
-            probe = self.begin_turns(True)
-        else:  # no turns (evaluation, or replicas that never draw)
-            probe = None
-            job.in_turn = job.step_turns = False
-        self.workers.run(tasks)
-        if probe is not None:
-            self.end_turns(probe)
-        metric = job.step.metric  # type: ignore[union-attr]
-        if metric is not None and metric.whole:  # metrics that update with the whole batch
-            metric.end_batch(job.axis)
-        if self.bucketed:
-            self.warn_grown()
 
     def begin_turns(self, is_train: bool) -> list[torch.Tensor] | None:
         """Whether forwards take turns this batch (``job.in_turn``, or ``job.step_turns``

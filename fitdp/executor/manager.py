@@ -24,10 +24,17 @@ from fitdp.executor.replica import Compute, LossFn, ModuleLoss
 from fitdp.executor.reproducible import ReproducibleStep
 from fitdp.executor.sharing import bucket_replicas, check_unique_names, hashable
 from fitdp.executor.slicing import check_work_load_arg, device_slices
-from fitdp.executor.step import Scale, Step, backward_share, forward_share, load_share, metric_share
+from fitdp.executor.step import (
+    DeviceWorkers,
+    Scale,
+    Step,
+    backward_share,
+    forward_share,
+    load_share,
+    metric_share,
+)
 from fitdp.executor.update import NamedUpdate, Update
 from fitdp.executor.weighing import Weighing
-from fitdp.executor.workers import DeviceWorkers
 
 # Parameters or buffers: names, their ``[name][device]`` tensors, and the caller's by name.
 _Named = tuple[list[str], Sequence[Sequence[torch.Tensor]], Mapping[str, torch.Tensor]]
@@ -142,7 +149,7 @@ class DataParallelExecutorManager:
         self.work_load_list = [1.0] * len(self.devices)
         self.balancer: LoadBalancer | None = None
         self.balancing: Balancing | None = None  # the balancer's timing, for the steps
-        self._slices: dict[int, list[slice]] = {}
+        self.row_slices: dict[int, list[slice]] = {}
         self._reserved: list[Any] = []
         self.set_work_load_list(work_load_list)
         self.logger.debug("fitdp: data parallel on %s", self.devices)
@@ -185,8 +192,7 @@ class DataParallelExecutorManager:
             data_batch = dataclasses.replace(data_batch, layout=self.layout)
         group = self.group_of(data_batch)
         rows = data_batch.batch_size
-        group.slices = self.slices_for(rows)
-        group.job.set(data_batch, rows, data_batch.axis, group.slices)
+        group.job.set(data_batch, rows, data_batch.axis, self.slices_for(rows))
         self._phase(False, load_share)
         group.job.load = False
         group.warn_grown()
@@ -490,11 +496,12 @@ class DataParallelExecutorManager:
             zero_grad: zero the gradients first (the first batch of an optimizer step).
             optimizer: also take the optimizer step after backward, as ``step`` does with
                 ``scaler`` and ``clip_norm``.
-            guard: a context the batch runs in when it steps, e.g. ``fitdp.call.interrupts.
+            guard: a context the batch runs in when it steps, e.g. ``fitdp.call.session.
                 GUARD.critical()``: a Ctrl-C during the step is raised after it.
         """
         bound = self.bind_step(is_train, optimizer=optimizer, scaler=scaler,
                                clip_norm=clip_norm, scale=scale, metric=metric)
+        self.group_of(data_batch).set_mode(is_train)  # (a call's session sets its own)
         with guard if guard is not None and optimizer is not None else contextlib.nullcontext():
             bound(data_batch, zero_grad=zero_grad, step=optimizer is not None,
                   total_rows=total_rows)
@@ -565,7 +572,7 @@ class DataParallelExecutorManager:
         """Split batches by ``loads`` from now on (``seconds``: the device times that led
         to them, logged)."""
         self.work_load_list[:] = loads  # in place: whoever holds the list sees the loads
-        self._slices.clear()
+        self.row_slices.clear()
         if self._reserved:
             self.reserve(self._reserved)
         if seconds is not None:
@@ -628,9 +635,9 @@ class DataParallelExecutorManager:
 
     def slices_for(self, rows: int) -> list[slice]:
         """Each device's rows of a batch of ``rows`` (by the work loads in use)."""
-        slices = self._slices.get(rows)
+        slices = self.row_slices.get(rows)
         if slices is None:
-            slices = self._slices[rows] = device_slices(rows, self.work_load_list)
+            slices = self.row_slices[rows] = device_slices(rows, self.work_load_list)
         return slices
 
     def weighing(self) -> Weighing:

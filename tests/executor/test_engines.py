@@ -83,7 +83,8 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_the_engine_is_chosen_once_per_call_and_is_what_the_step_calls(monkeypatch):
     """``engine_for`` runs when a call makes its replicas, not per batch; a later call on the
-    same replicas keeps their engine; the bound step prepares each batch through it."""
+    same replicas keeps their engine; the bound step prepares each batch through an engine
+    that says it prepares (``Engine.prepares``, DDP's), and never calls one that does not."""
     chosen = []
     real = replicas.engine_for
 
@@ -95,6 +96,7 @@ def test_the_engine_is_chosen_once_per_call_and_is_what_the_step_calls(monkeypat
     prepared = []
     monkeypatch.setattr(LocalReduce, "prepare", lambda self, stepping: prepared.append(
         (self, stepping)))
+    monkeypatch.setattr(LocalReduce, "prepares", True)
     torch.manual_seed(0)
     model = fitdp.Model(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
     model.compile(optimizer="sgd", lr=0.1, loss="cross_entropy", grad_accum_steps=2)
@@ -108,6 +110,10 @@ def test_the_engine_is_chosen_once_per_call_and_is_what_the_step_calls(monkeypat
     model.evaluate(x, y, batch_size=6, verbose=0, devices=["cpu", "cpu"])
     model.fit(x, y, batch_size=6, epochs=1, verbose=0, devices=["cpu", "cpu"])
     assert len(chosen) == 1 and model._replicas.manager.engine is engine  # replicas reused
+    monkeypatch.setattr(LocalReduce, "prepares", False)  # the local engine's own flag
+    prepared.clear()
+    model.fit(x, y, batch_size=6, epochs=1, verbose=0, devices=["cpu", "cpu"])
+    assert prepared == []
 
 
 def step_grads(engine: LocalReduce | None

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 MODULES = ["balance", "flat_buckets", "group", "manager", "replica", "slicing", "step",
-           "update", "weighing", "workers", "local_reduce", "ddp", "fsdp"]
+           "update", "weighing", "local_reduce", "ddp", "fsdp"]
 
 
 @pytest.mark.parametrize("name", MODULES)

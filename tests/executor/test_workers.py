@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fitdp.executor.workers import DeviceWorkers
+from fitdp.executor.step import DeviceWorkers
 
 
 def test_results_in_device_order_and_threads_are_reused():
