@@ -176,11 +176,14 @@ class Session:
     def _epoch_batches(self) -> Iterator[DataBatch]:
         """This epoch's batches: the rest of the data, or the next ``steps_per_epoch``
         batches of a stream that starts the data's next epoch when one ends (Keras)."""
-        run, plan = self.run, self.plan
+        plan = self.plan
         assert isinstance(plan, FitPlan)  # noqa: S101
-        if plan.steps is None:
-            yield from plan.source
-            return
+        return iter(plan.source) if plan.steps is None else self._steps_batches()
+
+    def _steps_batches(self) -> Iterator[DataBatch]:
+        """The next ``steps_per_epoch`` batches, going on into the data's next epochs."""
+        run, plan = self.run, self.plan
+        assert isinstance(plan, FitPlan) and plan.steps is not None  # noqa: S101
         left, fresh = plan.steps - run.batch, False
         while left > 0:
             got = 0
@@ -220,8 +223,12 @@ class Session:
             # Stepped inside the batch's hand-off, except on the call's first batch: its
             # outputs are checked before the first step. With several optimizers a custom
             # train_step steps them itself (``Model.optimizer_step``): fitdp takes none.
-            self._one_batch(self.train, batch, first,  # type: ignore[arg-type]
-                            due and self.verified and not self.manual)
+            stepping = due and self.verified and not self.manual
+            if self.checked:
+                self.train(batch, zero_grad=first, step=stepping,  # type: ignore[misc]
+                           total_rows=batch.global_rows)
+            else:
+                self._first_batch(self.train, batch, first, stepping)  # type: ignore[arg-type]
             if not self.verified:
                 self._first_batch_checks(batch)
                 if due and not self.manual:
@@ -231,7 +238,7 @@ class Session:
                 self._stepped()
             if monitor is not None:
                 monitor.report(run.epoch)
-        return self._batch_logs(index)
+        return self._batch_logs(index) if self.batch_reads else dict(self.logs)
 
     # -- preemption ---------------------------------------------------------------------------
 
@@ -433,16 +440,21 @@ class Session:
 
     # -- shared by every call -------------------------------------------------------------
 
-    def _one_batch(self, bound: Step | ReproducibleStep, batch: DataBatch,
-                   zero_grad: bool = False, step: bool = False) -> None:
-        """One batch through one of the call's bound steps (``zero_grad``, ``step``: its
-        zeroing and optimizer step). On a call's first batch, the user's errors come back
-        with what the batch held."""
+    def _one_batch(self, bound: Step | ReproducibleStep, batch: DataBatch) -> None:
+        """One batch through one of the call's bound steps without an optimizer step (the
+        training steps: ``train_step``)."""
         if self.mode is not bound.is_train:
             self._set_mode(bound.is_train)
         if self.checked:
-            bound(batch, zero_grad=zero_grad, step=step, total_rows=batch.global_rows)
-            return
+            bound(batch, total_rows=batch.global_rows)
+        else:
+            self._first_batch(bound, batch)
+
+    def _first_batch(self, bound: Step | ReproducibleStep, batch: DataBatch,
+                     zero_grad: bool = False, step: bool = False) -> None:
+        """A call's first batch through one of its bound steps (``zero_grad``, ``step``: its
+        zeroing and optimizer step), checked first; the user's errors come back with what
+        the batch held."""
         compiled = self.compiled
         uncounted = getattr(compiled.objective, "warn_uncounted", None) if compiled else None
         if uncounted is not None and bound.is_train:  # compile(loss=None)
@@ -458,7 +470,7 @@ class Session:
                 raise ValueError(compiled.objective.no_weights_message())
         try:
             self.checked = True
-            self._one_batch(bound, batch, zero_grad, step)
+            bound(batch, zero_grad=zero_grad, step=step, total_rows=batch.global_rows)
         except Exception as err:
             self.checked = False
             if raised_in_fitdp(err):

@@ -137,7 +137,7 @@ class DeviceMetrics:
         if sliced:
             # Each tree on its own: plain tensors (the common case) need no walk.
             inputs = set()
-            for t in tree_leaves((outputs, labels, weight)):
+            for t in tree_leaves(outputs) + tree_leaves(labels) + tree_leaves(weight):
                 inputs.add(t.untyped_storage().data_ptr())
             for name, spec in sliced:
                 _update_owned(name, spec, outputs, labels, weight, inputs)

@@ -18,7 +18,7 @@ import torch
 
 from fitdp.executor.share_clock import ShareClock
 from fitdp.executor.slicing import split_input_slice
-from fitdp.executor.step import Group, Job, device_share, hand_off
+from fitdp.executor.step import Job, device_share
 
 
 class LoadBalancer:
@@ -130,16 +130,18 @@ class Balancing:
         self.times = [0.0] * len(devices)  # each device's seconds on its last share
         self._tasks: dict[int, list[Callable[[], None]]] = {}  # per group's job, made once
 
-    def dispatch(self, group: Group) -> tuple[list[float], list[float]] | None:
-        """The batch's hand-off with each share timed, then the balancer's decision: new
-        loads and the times they come from, or None. On the CPU this batch's times; on CUDA
-        those of the batches whose events have run by now (no host sync)."""
-        job = group.job
+    def tasks(self, job: Job) -> list[Callable[[], None]]:
+        """The batch's shares, each timed (made once per group's job)."""
         tasks = self._tasks.get(id(job))
         if tasks is None:
             tasks = self._tasks[id(job)] = [functools.partial(self._timed, job, d)
                                              for d in range(len(job.executors))]
-        hand_off(group, tasks)
+        return tasks
+
+    def decide(self, job: Job) -> tuple[list[float], list[float]] | None:
+        """After the batch's hand-off, the balancer's decision: new loads and the times
+        they come from, or None. On the CPU this batch's times; on CUDA those of the
+        batches whose events have run by now (no host sync)."""
         rows = [s.stop - s.start for s in job.slices]
         for done_rows, seconds in self.clock.finished(rows, self.times):
             new = self.balancer.record(done_rows, seconds)

@@ -26,12 +26,9 @@ from fitdp.executor.sharing import bucket_replicas, check_unique_names, hashable
 from fitdp.executor.slicing import check_work_load_arg, device_slices
 from fitdp.executor.step import (
     DeviceWorkers,
+    Phases,
     Scale,
     Step,
-    backward_share,
-    forward_share,
-    load_share,
-    metric_share,
 )
 from fitdp.executor.update import NamedUpdate, Update
 from fitdp.executor.weighing import Weighing
@@ -193,11 +190,11 @@ class DataParallelExecutorManager:
         group = self.group_of(data_batch)
         rows = data_batch.batch_size
         group.job.set(data_batch, rows, data_batch.axis, self.slices_for(rows))
-        self._phase(False, load_share)
+        self._phase(False, Phases(load=True))
         group.job.load = False
         group.warn_grown()
 
-    def _phase(self, is_train: bool, phase: Callable[..., Any], **bind: Any) -> None:
+    def _phase(self, is_train: bool, phase: Phases, **bind: Any) -> None:
         """One phase of the step's routine on every device of the current group (the
         MXNet-style calls), under a step bound with ``bind``."""
         self._step(is_train, **bind).phase(self.curr_execgrp, phase)
@@ -234,7 +231,7 @@ class DataParallelExecutorManager:
         step.weighing.weigh(group.job, total_rows, step.rows_over_ranks)
         group.job.step = step  # (the turns read its compute)
         probe = group.begin_turns(is_train)
-        step.phase(group, forward_share)
+        step.phase(group, Phases(forward=True))
         group.end_turns(probe)
 
     def backward(
@@ -242,7 +239,7 @@ class DataParallelExecutorManager:
     ) -> None:
         """Backward on every replica; with ``reduce``, sum gradients into device 0 (and across
         ranks). Pass ``reduce=False`` to accumulate gradients over several batches."""
-        self._phase(True, backward_share, scale=scale)
+        self._phase(True, Phases(backward=True), scale=scale)
         if reduce:
             self.reduce_gradients()
 
@@ -278,7 +275,7 @@ class DataParallelExecutorManager:
         if hasattr(metric, "clones"):
             group.job.metric_labels = labels
             try:
-                self._phase(False, metric_share, metric=metric)
+                self._phase(False, Phases(metric=True), metric=metric)
             finally:
                 group.job.metric_labels = None
             metric.end_batch(group.executors[0].axis)  # those that update with the batch

@@ -10,9 +10,9 @@ optimizer step), whether it ends with the step, and its rows.
 ``device_share(job, d)`` is the one routine every device runs, one device or many, CPU or
 GPU, ranks or not, buckets or not: zero (the first batch of an optimizer step), load the
 slice, forward and loss (through the bound ``compute``, see ``fitdp.executor.replica``),
-backward, metric update. A batch is one hand-off of it to every device (``hand_off``: the
-device threads of ``DeviceWorkers``, at the end of this module); the optimizer step
-(``Update.apply``) follows on the caller. The
+backward, metric update. A batch is one hand-off of it to every device (the device threads
+of ``DeviceWorkers``, at the end of this module); the optimizer step (``Update.apply``)
+follows on the caller. The
 MXNet-style manager calls (``load_data_batch``, ``forward``, ``backward``, ``update_metric``)
 run its phases one at a time on every device (``Step.phase``). What each slice's loss weighs
 is decided by ``fitdp.executor.weighing``.
@@ -63,6 +63,7 @@ class Job:
         self.step: Step | None = None  # the bound step this batch runs
         self.metric_labels: Any = None  # labels given to ``update_metric`` (None: the batch's)
         self.update: Update | None = None  # the update that zeroes first, or None
+        self.phases = ALL  # what ``device_share`` runs (one phase: an MXNet-style call)
 
     def set(self, batch: DataBatch, rows: int, axis: int, slices: list[slice]) -> None:
         """This batch, its rows, batch axis and slices; each device's valid rows."""
@@ -82,6 +83,41 @@ class Job:
 
 # -- the per-replica routine ----------------------------------------------------------------
 
+class Phases(NamedTuple):
+    """Which phases ``device_share`` runs: every one for a bound step's batch (``ALL``), one
+    for each MXNet-style call of the manager (``load_data_batch``, ``forward``, ...)."""
+
+    load: bool = False
+    forward: bool = False
+    backward: bool = False
+    metric: bool = False
+
+
+ALL = Phases(True, True, True, True)
+
+
+class Ranges(NamedTuple):
+    """The contexts one device's phases run in: nothing (``PLAIN``), or named ranges in a
+    profiler's trace (``named_ranges``: bound only for a call that a profiler records)."""
+
+    load: contextlib.AbstractContextManager[Any]
+    forward: contextlib.AbstractContextManager[Any]
+    backward: contextlib.AbstractContextManager[Any]
+    metric: contextlib.AbstractContextManager[Any]
+
+
+_NULL = contextlib.nullcontext()  # reusable: entering it has no state
+PLAIN = Ranges(_NULL, _NULL, _NULL, _NULL)
+
+
+def named_ranges() -> Ranges:
+    """``torch.profiler.record_function`` ranges ``fitdp.load``, ``fitdp.forward``,
+    ``fitdp.backward``, ``fitdp.metrics`` for one device (a range object is entered by one
+    thread at a time: one set per device)."""
+    return Ranges(*(torch.profiler.record_function(f"fitdp.{name}")
+                    for name in ("load", "forward", "backward", "metrics")))
+
+
 def load_share(job: Job, d: int) -> None:
     """Copy device ``d``'s slice of the batch into its input buffers."""
     batch, sl, axis = job.batch, job.slices[d], job.axis
@@ -93,112 +129,51 @@ def load_share(job: Job, d: int) -> None:
     job.executors[d].load(data, label, job.valid[d], weight, axis, sl.stop - sl.start)
 
 
-def forward_share(job: Job, d: int) -> None:
-    """Forward and loss on device ``d``; in turn (after device ``d - 1``'s forward) when the
-    replicas share a generator and draw from it."""
-    step: Step = job.step  # type: ignore[assignment]
-    ex = job.executors[d]
-    if not job.in_turn:
-        ex.forward(step.is_train, step.compute, job.weights[d], step.autocast, job.counts[d])
-        return
-    try:
-        if d:
-            job.turn[d - 1].wait()
-        ex.forward(step.is_train, step.compute, job.weights[d], step.autocast, job.counts[d])
-    finally:
-        job.turn[d].set()  # also on failure: the next device never waits for ever
-
-
-def backward_share(job: Job, d: int) -> None:
-    """Backward of device ``d``'s weighted loss (gradients add into its buckets)."""
-    job.executors[d].backward(job.step.scale)  # type: ignore[union-attr]
-
-
-def metric_share(job: Job, d: int) -> None:
-    """Device ``d``'s clone of the step's metric (a ``DeviceMetrics``) updated with its valid
-    outputs and labels, on its thread."""
-    ex = job.executors[d]
-    labels = ex.labels if job.metric_labels is None else take_rows(
-        job.metric_labels, job.slices[d], ex.axis)
-    outputs = ex.outputs
-    if isinstance(outputs, dict) and "logits" in outputs:  # a Hugging Face model's
-        hf_labels = batch_labels(ex.inputs, labels)  # (in the batch dict, or y)
-        if isinstance(hf_labels, torch.Tensor):
-            outputs, labels = outputs["logits"], hf_labels
-    if ex.valid > 0 and labels is not None:
-        axes, weights = ex.output_axes(outputs), ex.weights
-        if ex.valid < ex.rows:  # padding rows stay out of the metric
-            outputs = take_rows(outputs, slice(0, ex.valid), axes)
-            labels, weights = ex.valid_rows(labels), ex.valid_rows(weights)
-        job.step.metric.update(d, outputs, labels, weights, axes)  # type: ignore[union-attr]
-
-
 def device_share(job: Job, d: int) -> None:
-    """Device ``d``'s share of the batch: zero, load, forward, backward, metric."""
+    """Device ``d``'s share of the batch, the phases of ``job.phases`` in order: zero (the
+    first batch of an optimizer step), load its slice, forward and loss (in turn, after
+    device ``d - 1``'s forward, when the replicas share a generator and draw from it),
+    backward of the weighted loss (gradients add into its buckets), and the update of its
+    clone of the step's metric (a ``DeviceMetrics``) with its valid outputs and labels."""
     step: Step = job.step  # type: ignore[assignment]
-    phases = step.phases
+    ex = job.executors[d]
+    ranges = step.ranges[d]
+    phases = job.phases
     try:
         update = job.update
-        if update is not None:  # the first batch of an optimizer step
+        if update is not None:
             update.zero_device(d)
-        if job.load:
-            phases.load(job, d)
-        phases.forward(job, d)
+        if phases.load and job.load:
+            with ranges.load:
+                load_share(job, d)
+        if phases.forward:
+            with ranges.forward:
+                if job.in_turn and d:
+                    job.turn[d - 1].wait()
+                ex.forward(step.is_train, step.compute, job.weights[d], step.autocast,
+                           job.counts[d])
     finally:
         if job.in_turn:
-            job.turn[d].set()  # a load that failed never leaves the next device waiting
-    if step.is_train:
-        phases.backward(job, d)
-    if step.metric is not None:
-        phases.metric(job, d)
-
-
-class Phases(NamedTuple):
-    """The phases ``device_share`` runs, each ``phase(job, d)``: the plain functions, or
-    the same in ``torch.profiler.record_function`` ranges (``NAMED_PHASES``)."""
-
-    load: Callable[[Job, int], None]
-    forward: Callable[[Job, int], None]
-    backward: Callable[[Job, int], None]
-    metric: Callable[[Job, int], None]
-
-
-def named(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run inside a ``torch.profiler.record_function(name)`` range: a named span in
-    a profiler's trace (only a call that a profiler records binds these)."""
-    @functools.wraps(fn)
-    def ranged(*args: Any) -> Any:
-        with torch.profiler.record_function(name):
-            return fn(*args)
-
-    return ranged
-
-
-PHASES = Phases(load_share, forward_share, backward_share, metric_share)
-NAMED_PHASES = Phases(*(named(f"fitdp.{name}", fn) for name, fn in zip(
-    ("load", "forward", "backward", "metrics"), PHASES)))
-
-
-def hand_off(group: Group, tasks: Sequence[Callable[[], None]]) -> None:
-    """The batch's hand-off (its ``job`` set and weighed): ``tasks`` (the group's
-    ``shares``, or timed ones) on the device threads at once; forwards take turns where the
-    replicas share a generator and draw from it. The caller has put the replicas in the
-    step's mode (the call's session, or the manager's MXNet-style calls)."""
-    job = group.job
-    step: Step = job.step  # type: ignore[assignment]
-    if step.is_train and group.stochastic is not False:
-        probe = group.begin_turns(True)
-    else:  # no turns (evaluation, or replicas that never draw)
-        probe = None
-        job.in_turn = job.step_turns = False
-    group.workers.run(tasks)
-    if probe is not None:
-        group.end_turns(probe)
+            job.turn[d].set()  # also on failure: the next device never waits for ever
+    if phases.backward and step.is_train:
+        with ranges.backward:
+            ex.backward(step.scale)
     metric = step.metric
-    if metric is not None and metric.whole:  # metrics that update with the whole batch
-        metric.end_batch(job.axis)
-    if group.bucketed:
-        group.warn_grown()
+    if phases.metric and metric is not None:
+        with ranges.metric:
+            labels = ex.labels if job.metric_labels is None else take_rows(
+                job.metric_labels, job.slices[d], ex.axis)
+            outputs = ex.outputs
+            if isinstance(outputs, dict) and "logits" in outputs:  # a Hugging Face model's
+                hf_labels = batch_labels(ex.inputs, labels)  # (in the batch dict, or y)
+                if isinstance(hf_labels, torch.Tensor):
+                    outputs, labels = outputs["logits"], hf_labels
+            if ex.valid > 0 and labels is not None:
+                axes, weights = ex.output_axes(outputs) if ex.axis else 0, ex.weights
+                if ex.valid < ex.rows:  # padding rows stay out of the metric
+                    outputs = take_rows(outputs, slice(0, ex.valid), axes)
+                    labels, weights = ex.valid_rows(labels), ex.valid_rows(weights)
+                metric.update(d, outputs, labels, weights, axes)
 
 
 # -- the bound step ---------------------------------------------------------------------------
@@ -234,7 +209,9 @@ class Group(Protocol):
 class Timing(Protocol):
     """A hand-off whose shares are timed (``fitdp.executor.balance.Balancing``)."""
 
-    def dispatch(self, group: Group) -> tuple[list[float], list[float]] | None: ...
+    def tasks(self, job: Job) -> Sequence[Callable[[], None]]: ...
+
+    def decide(self, job: Job) -> tuple[list[float], list[float]] | None: ...
 
 
 class Manager(Protocol):
@@ -246,6 +223,7 @@ class Manager(Protocol):
     loss: Any
     bucket_module: Any
     engine: Engine
+    devices: list[torch.device]
 
     row_slices: dict[int, list[slice]]  # rows of a batch -> each device's, once seen
 
@@ -270,7 +248,7 @@ class Step:
         update: the training update (None: evaluation).
         scale: multiplies each loss before backward (a ``GradScaler``'s ``scale``), or None.
         metric: a ``DeviceMetrics`` each device updates with its slice, or None.
-        named: run the phases in named ranges for a profiler (``NAMED_PHASES``).
+        named: run the phases in named ranges for a profiler (``named_ranges``).
         balancing: ``work_load_list="auto"``'s timing of each share, or None.
     """
 
@@ -280,7 +258,8 @@ class Step:
         self.mgr = mgr
         self.is_train, self.update = is_train, update
         self.scale, self.metric = scale, metric
-        self.phases = NAMED_PHASES if named else PHASES
+        # Per device, what its phases run in (``Ranges``).
+        self.ranges = [named_ranges() if named else PLAIN for _ in mgr.devices]
         self.compute: Compute = mgr.compute
         self.autocast = mgr.autocast_dtype
         self.weighing: Weighing = mgr.weighing()
@@ -317,27 +296,39 @@ class Step:
             self.engine.prepare(stepping)
         job.update = update if zero_grad else None
         job.step = self
+        balancing = self.balancing
+        # The hand-off: the shares on the device threads at once, forwards in turn where
+        # the replicas share a generator and draw from it.
         try:
-            if self.balancing is None:
-                hand_off(group, group.shares)
-            else:
-                loads = self.balancing.dispatch(group)
-                if loads is not None:
-                    mgr.use_loads(*loads)
+            if self.is_train and group.stochastic is not False:
+                probe = group.begin_turns(True)
+            else:  # no turns (evaluation, or replicas that never draw)
+                probe = None
+                job.in_turn = job.step_turns = False
+            group.workers.run(group.shares if balancing is None else balancing.tasks(job))
+            if probe is not None:
+                group.end_turns(probe)
         finally:
             job.step = None  # the group holds no step (nor, through it, its manager)
+        if self.metric is not None and self.metric.whole:  # updated with the whole batch
+            self.metric.end_batch(axis)
+        if group.bucketed:
+            group.warn_grown()
+        if balancing is not None:
+            loads = balancing.decide(job)
+            if loads is not None:
+                mgr.use_loads(*loads)
         if stepping:
             update.apply()  # type: ignore[union-attr]
 
-    def phase(self, group: Group, phase: Callable[[Job, int], Any]) -> None:
-        """One phase of the routine on every device at once (the MXNet-style calls)."""
+    def phase(self, group: Group, phases: Phases) -> None:
+        """Some phases of the routine on every device at once (the MXNet-style calls)."""
         job = group.job
-        job.step = self
+        job.step, job.update, job.phases = self, None, phases
         try:
-            group.workers.run([functools.partial(phase, job, d)
-                               for d in range(len(job.executors))])
+            group.workers.run(group.shares)
         finally:
-            job.step = None
+            job.step, job.phases = None, ALL
 
     def step_now(self) -> None:
         """The optimizer step alone, from the gradients of the batches run so far."""

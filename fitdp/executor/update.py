@@ -21,12 +21,18 @@ backward counts once however often the reduce is asked).
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from fitdp.executor.flat_buckets import FlatBuckets, add_into
+
+_NULL = contextlib.nullcontext()  # reusable: entering it has no state
+_GRAD = operator.attrgetter("grad")  # a parameter's gradient (C: no Python frame per read)
 
 
 class Update:
@@ -84,21 +90,10 @@ class Update:
         # Per device, the trainable parameters (fresh gradients, see above).
         self.params: list[list[nn.Parameter]] = (
             [list(ps) for ps in flat.params] if flat is not None else [self.masters])
-        self._step = self._bind_step()
-
-    def _bind_step(self) -> Callable[[], None]:
-        """The optimizer step, chosen once: the scaler's, or the optimizer's own
-        (``optimizer.step()``: the executor's one call of it)."""
-        optimizer, scaler = self.optimizer, self.scaler
-        if optimizer is None:
-            return lambda: None
-        if scaler is not None:
-            def scaled() -> None:
-                scaler.step(optimizer)
-                scaler.update()
-            return scaled
-        # Looked up per step: an LR scheduler made later wraps the instance's ``step``.
-        return lambda: optimizer.step()  # type: ignore[func-returns-value]
+        # What the reduce and the optimizer step run in: nothing here, a profiler's named
+        # range in a ``NamedUpdate`` (a reusable context either way: no object per step).
+        self.reduce_range: contextlib.AbstractContextManager[Any] = _NULL
+        self.step_range: contextlib.AbstractContextManager[Any] = _NULL
 
     # -- what each device thread runs -----------------------------------------------------
 
@@ -123,29 +118,45 @@ class Update:
         for hook in self.before_step:
             hook()
         self.reduce_gradients()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # type: ignore[arg-type]
+        optimizer, scaler = self.optimizer, self.scaler
+        if optimizer is None:
+            return  # an update that only zeroes
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         if self.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.clipped, self.clip_norm)
-        self._step()
+        with self.step_range:  # the executor's one call of the optimizer's step
+            if scaler is None:
+                optimizer.step()  # (looked up: an LR scheduler made later wraps it)
+            else:
+                scaler.step(optimizer)
+                scaler.update()
         self.broadcast_params()
 
     def reduce_gradients(self) -> None:
         """Every device's gradients summed into device 0's (then across the ranks); the
         other devices' are zeroed (or dropped), so each backward counts once however often
         the reduce is asked."""
-        if self.flat is None:
-            pass  # one replica: nothing to add
-        elif not self.flat.grads:
-            self._add_fresh(self.params)
-            for ps in self.params[1:]:
-                for p in ps:
-                    p.grad = None
-        else:
-            for acc, others in self.reduce:
-                add_into(acc, others)
-        if self.cross_rank is not None:
-            self.cross_rank()
+        flat = self.flat
+        with self.reduce_range:
+            if flat is None:
+                pass  # one replica: nothing to add
+            elif not flat.grads:  # fresh gradients: added in device order, then dropped
+                params = self.params
+                acc = list(map(_GRAD, params[0]))
+                for ps in params[1:]:
+                    if acc:
+                        try:
+                            torch._foreach_add_(acc, list(map(_GRAD, ps)))  # type: ignore[arg-type]
+                        except TypeError:  # a None (rare: looking first would cost every step)
+                            acc = _add_with_missing(params[0], ps)
+                    for p in ps:
+                        p.grad = None
+            else:
+                for acc_flat, others in self.reduce:
+                    add_into(acc_flat, others)
+            if self.cross_rank is not None:
+                self.cross_rank()
 
     def broadcast_params(self) -> None:
         """Device 0's parameters copied to every other device."""
@@ -153,44 +164,31 @@ class Update:
             for dst in dsts:
                 dst.copy_(src, non_blocking=True)
 
-    @staticmethod
-    def _add_fresh(devices: list[list[nn.Parameter]]) -> None:
-        """Add the other devices' fresh gradients of these parameters into device 0's, in
-        device order. A parameter backward left without a gradient counts as zeros, as in
-        the zeroed buckets (an optimizer skips a parameter without one)."""
-        acc = [p.grad for p in devices[0]]
-        if not acc:
-            return
-        for ps in devices[1:]:
-            try:
-                torch._foreach_add_(acc, [p.grad for p in ps])  # type: ignore[arg-type, misc]
-            except TypeError:  # a None (rare: looking for one first would cost every step)
-                if all(p.grad is None for p in ps):
-                    continue  # added and dropped already (a second reduce): nothing to add
-                # A None fails before any addition; the devices before this one are added.
-                for p in devices[0] + ps:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                acc = [p.grad for p in devices[0]]
-                torch._foreach_add_(acc, [p.grad for p in ps])  # type: ignore[arg-type, misc]
+
+def _add_with_missing(lead: list[nn.Parameter], other: list[nn.Parameter]
+                      ) -> list[torch.Tensor | None]:
+    """``other``'s fresh gradients added into ``lead``'s where some are None (a parameter
+    backward left without a gradient counts as zeros, as in the zeroed buckets; an optimizer
+    skips a parameter without one); returns ``lead``'s gradients. A None fails
+    ``_foreach_add_`` before any addition, so nothing was added yet."""
+    if all(p.grad is None for p in other):
+        return [p.grad for p in lead]  # added and dropped already (a second reduce)
+    for p in lead + other:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    acc = [p.grad for p in lead]
+    torch._foreach_add_(acc, [p.grad for p in other])  # type: ignore[arg-type, misc]
+    return acc
 
 
 class NamedUpdate(Update):
     """An ``Update`` whose reduce and optimizer step are named ranges (``fitdp.reduce``,
     ``fitdp.step``) in a profiler's trace: bound for a call that a profiler records."""
 
-    def _bind_step(self) -> Callable[[], None]:
-        step = super()._bind_step()
-
-        def ranged() -> None:
-            with torch.profiler.record_function("fitdp.step"):
-                step()
-
-        return ranged
-
-    def reduce_gradients(self) -> None:
-        with torch.profiler.record_function("fitdp.reduce"):
-            super().reduce_gradients()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reduce_range = torch.profiler.record_function("fitdp.reduce")
+        self.step_range = torch.profiler.record_function("fitdp.step")
 
 
 def param_count(optimizer: torch.optim.Optimizer) -> int:

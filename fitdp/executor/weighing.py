@@ -110,22 +110,6 @@ class Weighing:
         self.from_batch = not ranks and all(d.type == "cpu" for d in devices)
         self._clean: tuple[torch.Tensor, int] | None = None  # labels with no target ignored
 
-    def all_counted(self, labels: Any) -> bool:
-        """Whether the counter counts every target of ``labels``: an integer count of all of
-        them means none is ignored, so each slice counts as its rows. Counted once per base
-        tensor while unchanged (its version counter); on the CPU no device sync."""
-        if self.items or not isinstance(labels, torch.Tensor):
-            return False
-        base = labels if labels._base is None else labels._base
-        clean = self._clean
-        if clean is not None and clean[0] is base and clean[1] == base._version:
-            return True
-        whole = self.counter(base)  # type: ignore[misc]
-        if whole is None or whole.is_floating_point() or int(whole) != base.numel():
-            return False
-        self._clean = (base, base._version)
-        return True
-
     def count(self, batch: Any, rows: slice, axis: int) -> float:
         """What the mean loss of ``batch``'s ``rows`` divides by, as a number: the rows, or
         the targets counted as ``weigh`` counts them (the reproducible step's micro-batches,
@@ -165,7 +149,21 @@ class Weighing:
             return  # rows weigh the slices
         if self.from_batch:
             label = batch.label
-            if self.all_counted(label):
+            # Labels with an integer count of all their targets ignore none: each slice
+            # counts as its rows. Counted once per base tensor while unchanged (its version
+            # counter); on the CPU no device sync.
+            clean = False
+            if not self.items and isinstance(label, torch.Tensor):
+                base = label if label._base is None else label._base
+                seen = self._clean
+                clean = seen is not None and seen[0] is base and seen[1] == base._version
+                if not clean:
+                    whole = counter(base)
+                    clean = whole is not None and not whole.is_floating_point() and int(
+                        whole) == base.numel()
+                    if clean:
+                        self._clean = (base, base._version)
+            if clean:
                 # No target ignored: each slice counts its rows times the targets per row
                 # (the weights stay the rows'; the logged count is the targets', which
                 # differ from the rows' when batches differ in length: buckets). Labels of

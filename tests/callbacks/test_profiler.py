@@ -13,7 +13,7 @@ from torch import nn
 import fitdp
 from fitdp.callbacks import Profiler
 from fitdp.executor import DataParallelExecutorManager
-from fitdp.executor.step import NAMED_PHASES, PHASES
+from fitdp.executor.step import PLAIN
 from fitdp.executor.update import NamedUpdate, Update
 
 PHASE_NAMES = {"fitdp.load", "fitdp.forward", "fitdp.backward", "fitdp.metrics",
@@ -81,8 +81,10 @@ def test_steps_without_a_profiler_run_no_range_code():
     opt = torch.optim.SGD(mgr.master_parameters(), lr=0.1)
     plain = mgr.bind_step(True, optimizer=opt)
     named = mgr.bind_step(True, optimizer=opt, named=True)
-    assert plain.phases is PHASES and type(plain.update) is Update
-    assert named.phases is NAMED_PHASES and isinstance(named.update, NamedUpdate)
+    assert all(r is PLAIN for r in plain.ranges) and type(plain.update) is Update
+    assert isinstance(named.update, NamedUpdate) and len(named.ranges) == 2
+    assert all(isinstance(c, torch.profiler.record_function) for r in named.ranges for c in r)
+    assert named.ranges[0].forward is not named.ranges[1].forward  # one set per thread
     mgr.close()
 
 
