@@ -14,15 +14,17 @@ from fitdp.data.sequence import PAD_VALUE, pad_cat, reorder, split_samples
 
 
 class Hooks(NamedTuple):
-    """The callback hooks around each batch of one kind of call."""
+    """The callback hooks around each batch of one kind of call, and the flag of the run
+    (``RunState``) that a callback sets to end it (as Keras's ``model.stop_training``)."""
 
     begin: str
     end: str
+    stop: str
 
 
-TRAIN = Hooks("on_train_batch_begin", "on_train_batch_end")
-TEST = Hooks("on_test_batch_begin", "on_test_batch_end")
-PREDICT = Hooks("on_predict_batch_begin", "on_predict_batch_end")
+TRAIN = Hooks("on_train_batch_begin", "on_train_batch_end", "stop_training")
+TEST = Hooks("on_test_batch_begin", "on_test_batch_end", "stop_evaluating")
+PREDICT = Hooks("on_predict_batch_begin", "on_predict_batch_end", "stop_predicting")
 
 
 def run_batches(
@@ -30,10 +32,12 @@ def run_batches(
     callbacks: CallbackList,
     hooks: Hooks,
     step: Callable[[DataBatch, int], dict[str, float]],
-    stop: Callable[[], bool],
+    run: Any,
+    preempted: Callable[[], bool] | None = None,
 ) -> int:
     """For each batch: the begin hook, ``step(batch, index)``, the end hook with the logs
-    ``step`` returns; stop early when ``stop()`` says so (a callback set the call's flag).
+    ``step`` returns; stop early when ``preempted()`` says so (asked first, at every batch:
+    under torchrun a vote every rank takes) or the run's flag ``hooks.stop`` is set.
 
     Returns:
         The number of batches run.
@@ -47,7 +51,7 @@ def run_batches(
         if end:
             callbacks.call(hooks.end, i, logs)
         done += 1
-        if stop():
+        if (preempted is not None and preempted()) or getattr(run, hooks.stop):
             break
     return done
 

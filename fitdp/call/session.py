@@ -154,8 +154,7 @@ class Session:
         self.epoch_logs.begin()  # resumed mid-epoch: they go on from the checkpoint's
         self.throughput.begin(self.train)  # type: ignore[arg-type]
         run_batches(self.throughput.counted(self._epoch_batches()), plan.callbacks, TRAIN,
-                    self.train_step,
-                    lambda: self.preempted() or run.stop_training)  # (every rank asks)
+                    self.train_step, run, self.preempted if self.watching else None)
         self.stop_if_preempted()  # (before the partial step below: the backup is of the last)
         self.epoch_logs.live = False
         if run.micro_step:  # the epoch's last batches, fewer than grad_accum_steps
@@ -401,8 +400,7 @@ class Session:
                 self._first_batch_checks(batch)
             return self._batch_logs(index)
 
-        run_batches(itertools.islice(source, steps), callbacks, TEST, step,
-                    lambda: self.run.stop_evaluating)
+        run_batches(itertools.islice(source, steps), callbacks, TEST, step, self.run)
         logs = self.read_logs()
         callbacks.call("on_test_end", logs)
         return logs
@@ -432,8 +430,7 @@ class Session:
             return {}
 
         callbacks.call("on_predict_begin", {})
-        run_batches(itertools.islice(source, steps), callbacks, PREDICT, step,
-                    lambda: self.run.stop_predicting)
+        run_batches(itertools.islice(source, steps), callbacks, PREDICT, step, self.run)
         callbacks.call("on_predict_end", {})
         same = bool(axes) and all(a == axes[0] for a in axes)
         return assemble(rows, self.plan.ranks, axes[0] if same else 0, pad_value, ragged)

@@ -25,6 +25,7 @@ from fitdp.executor.reproducible import ReproducibleStep
 from fitdp.executor.sharing import bucket_replicas, check_unique_names, hashable
 from fitdp.executor.slicing import check_work_load_arg, device_slices
 from fitdp.executor.step import (
+    LOAD,
     DeviceWorkers,
     Phases,
     Scale,
@@ -190,7 +191,7 @@ class DataParallelExecutorManager:
         group = self.group_of(data_batch)
         rows = data_batch.batch_size
         group.job.set(data_batch, rows, data_batch.axis, self.slices_for(rows))
-        self._phase(False, Phases(load=True))
+        self._phase(False, LOAD)
         group.job.load = False
         group.warn_grown()
 
@@ -228,8 +229,8 @@ class DataParallelExecutorManager:
         group = self.curr_execgrp
         group.set_mode(is_train)
         step = self._step(is_train)
+        group.job.step = step  # (counts may load the slices; the turns read its compute)
         step.weighing.weigh(group.job, total_rows, step.rows_over_ranks)
-        group.job.step = step  # (the turns read its compute)
         probe = group.begin_turns(is_train)
         step.phase(group, Phases(forward=True))
         group.end_turns(probe)

@@ -131,6 +131,9 @@ class Executor:
         # engine's ``bind``: DDP's wrapper, FSDP2's sharded module; see executor.engine)
         self.ranked: nn.Module | None = None
         self.inputs_need_grad = inputs_need_grad
+        # The replica runs as called on the staged inputs (``module_outputs`` adds nothing:
+        # no compiled graphs to count, no input gradients to track).
+        self.plain = not compile and not inputs_need_grad
         self.grad_inputs: Any = None  # the inputs autograd tracked (inputs_need_grad)
         self.signatures: set[Hashable] = set()  # input signatures compiled so far
         self.grown: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
@@ -254,9 +257,9 @@ class Executor:
     def module_outputs(self, is_train: bool, kwargs: Mapping[str, Any] | None = None) -> Any:
         """The replica's outputs on the staged inputs (under the caller's grad mode), with
         the keyword arguments ``kwargs`` (``compile(forward_kwargs=...)``)."""
-        if self.compiled or self.inputs_need_grad:
-            return self._call(is_train, self._autocast, kwargs)
-        return call_module(self.fn, self.inputs, kwargs)
+        if self.plain:
+            return call_module(self.fn, self.inputs, kwargs)
+        return self._call(is_train, self._autocast, kwargs)
 
     def signature(self, is_train: bool, autocast_dtype: torch.dtype | None) -> Hashable:
         """What a static compiled graph is specialised on: mode and input shapes and dtypes."""
@@ -382,7 +385,8 @@ class ModuleLoss:
     def __call__(self, ex: Executor, training: bool) -> tuple[torch.Tensor | None, Any]:
         if self.own is not None:
             return self._own_loss(ex, training)
-        outputs = ex.module_outputs(training, self.kwargs)
+        outputs = call_module(ex.fn, ex.inputs, self.kwargs) if ex.plain else \
+            ex.module_outputs(training, self.kwargs)
         lab = ex.labels
         if lab is None or ex.valid == 0 or self.loss_fn is None:
             return None, outputs

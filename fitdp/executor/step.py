@@ -12,10 +12,9 @@ GPU, ranks or not, buckets or not: zero (the first batch of an optimizer step), 
 slice, forward and loss (through the bound ``compute``, see ``fitdp.executor.replica``),
 backward, metric update. A batch is one hand-off of it to every device (the device threads
 of ``DeviceWorkers``, at the end of this module); the optimizer step (``Update.apply``)
-follows on the caller. The
-MXNet-style manager calls (``load_data_batch``, ``forward``, ``backward``, ``update_metric``)
-run its phases one at a time on every device (``Step.phase``). What each slice's loss weighs
-is decided by ``fitdp.executor.weighing``.
+follows on the caller. The MXNet-style manager calls (``load_data_batch``, ``forward``,
+``backward``, ``update_metric``) run one of its phases on every device (``Step.phase``).
+What each slice's loss weighs is decided by ``fitdp.executor.weighing``.
 """
 
 from __future__ import annotations
@@ -74,10 +73,16 @@ class Job:
             self.valid[d] = max(0, min(sl.stop, end) - sl.start)
 
     def load_all(self) -> None:
-        """Every device's slice loaded now, on this thread (counts read the slices)."""
+        """Every device's slice loaded now, on this thread (counts read the slices), by the
+        job's step."""
         if self.load:
-            for d in range(len(self.executors)):
-                load_share(self, d)
+            phases, update = self.phases, self.update
+            self.phases, self.update = LOAD, None
+            try:
+                for d in range(len(self.executors)):
+                    device_share(self, d)
+            finally:
+                self.phases, self.update = phases, update
             self.load = False
 
 
@@ -94,6 +99,7 @@ class Phases(NamedTuple):
 
 
 ALL = Phases(True, True, True, True)
+LOAD = Phases(load=True)
 
 
 class Ranges(NamedTuple):
@@ -118,17 +124,6 @@ def named_ranges() -> Ranges:
                     for name in ("load", "forward", "backward", "metrics")))
 
 
-def load_share(job: Job, d: int) -> None:
-    """Copy device ``d``'s slice of the batch into its input buffers."""
-    batch, sl, axis = job.batch, job.slices[d], job.axis
-    data, label, weight = batch.data, batch.label, batch.sample_weight
-    if len(job.slices) > 1:
-        data = take_rows(data, sl, axis)
-        label = None if label is None else take_rows(label, sl, axis)
-        weight = None if weight is None else weight[sl]  # one per sample, batch-first
-    job.executors[d].load(data, label, job.valid[d], weight, axis, sl.stop - sl.start)
-
-
 def device_share(job: Job, d: int) -> None:
     """Device ``d``'s share of the batch, the phases of ``job.phases`` in order: zero (the
     first batch of an optimizer step), load its slice, forward and loss (in turn, after
@@ -143,9 +138,15 @@ def device_share(job: Job, d: int) -> None:
         update = job.update
         if update is not None:
             update.zero_device(d)
-        if phases.load and job.load:
+        if phases.load and job.load:  # this device's slice into its input buffers
             with ranges.load:
-                load_share(job, d)
+                batch, sl, axis = job.batch, job.slices[d], job.axis
+                data, label, weight = batch.data, batch.label, batch.sample_weight
+                if len(job.slices) > 1:
+                    data = take_rows(data, sl, axis)
+                    label = None if label is None else take_rows(label, sl, axis)
+                    weight = None if weight is None else weight[sl]  # one per row
+                ex.load(data, label, job.valid[d], weight, axis, sl.stop - sl.start)
         if phases.forward:
             with ranges.forward:
                 if job.in_turn and d:
@@ -289,17 +290,17 @@ class Step:
             group.set_mode(self.is_train)
         job = group.job
         job.set(batch, rows, axis, self.row_slices.get(rows) or mgr.slices_for(rows))
-        self.weighing.weigh(job, total_rows, self.rows_over_ranks)
         update = self.update
         stepping = step and update is not None and update.optimizer is not None
-        if self.engine is not None:
-            self.engine.prepare(stepping)
-        job.update = update if zero_grad else None
-        job.step = self
         balancing = self.balancing
-        # The hand-off: the shares on the device threads at once, forwards in turn where
-        # the replicas share a generator and draw from it.
+        job.step = self
         try:
+            self.weighing.weigh(job, total_rows, self.rows_over_ranks)
+            if self.engine is not None:
+                self.engine.prepare(stepping)
+            job.update = update if zero_grad else None
+            # The hand-off: the shares on the device threads at once, forwards in turn
+            # where the replicas share a generator and draw from it.
             if self.is_train and group.stochastic is not False:
                 probe = group.begin_turns(True)
             else:  # no turns (evaluation, or replicas that never draw)

@@ -145,7 +145,7 @@ def test_first_compiled_calls_run_one_thread_at_a_time(monkeypatch):
         return fn
 
     for ex in mgr.execgrp.executors:
-        ex.compiled, ex.fn = True, slow_first_call(ex)
+        ex.compiled, ex.plain, ex.fn = True, False, slow_first_call(ex)
     mgr.run_batch(batch(), True)  # the random-draw probe: forwards in turn
     assert mgr.execgrp.stochastic is False
     most[0] = 0
