@@ -53,6 +53,8 @@ def call_module(fn: Callable[..., Any], inputs: Any, kwargs: Mapping[str, Any] |
                 ) -> Any:
     """Call ``fn`` with a tensor, ``*tuple`` or ``**dict`` of inputs (and ``kwargs``)."""
     kwargs = kwargs or {}
+    if isinstance(inputs, torch.Tensor):  # (asked first: Mapping's check is an ABC's)
+        return fn(inputs, **kwargs)
     if isinstance(inputs, Mapping):
         return fn(**inputs, **kwargs)
     if isinstance(inputs, (tuple, list)):
@@ -336,8 +338,11 @@ class Executor:
         pending = self.pending_losses
         if pending:
             losses = torch.stack([loss for loss, _ in pending]).double()
-            counts = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
-                                  for _, n in pending])
+            numbers = [n for _, n in pending]
+            counts = (torch.tensor(numbers, dtype=torch.float64, device=self.device)
+                      if all(isinstance(n, int) for n in numbers) else  # (rows: one tensor)
+                      torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
+                                   for n in numbers]))
             self.loss_sum += (losses * counts).cumsum(0)[-1]  # in order, as one device sums
             self.loss_count += counts.sum()
             self.pending_losses = []
