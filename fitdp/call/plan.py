@@ -5,6 +5,7 @@ changes: the data sources, callbacks, placement and options of ``fit``/``evaluat
 from __future__ import annotations
 
 import dataclasses
+import enum
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -79,21 +80,32 @@ class FitPlan(CallPlan):
         return epoch + 1 in self.val_freq
 
 
-def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int, epochs: int,
-             verbose: Any, callbacks: Any, validation_split: Any, validation_data: Any,
+class Whole(enum.Enum):
+    """The batch of a call that takes its in-memory data in one step (Keras's
+    ``train_on_batch``, ``test_on_batch``, ``predict_on_batch``)."""
+
+    ROWS = "every row"
+
+
+WHOLE = Whole.ROWS
+
+
+def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int | Whole,
+             epochs: int, verbose: Any, callbacks: Any, validation_split: Any, validation_data: Any,
              shuffle: bool, class_weight: Any, initial_epoch: int, steps_per_epoch: Any,
              validation_steps: Any, validation_batch_size: Any, validation_freq: Any,
              devices: DevicesArg, work_load_list: Any, seed: Any, monitor: Any, resume: Any,
              log_every: int, timeout: Any, reproducible: Any = False,
              micro_batch_size: Any = None) -> FitPlan:
+    """``fit``'s arguments checked and its data read once; ``batch_size=WHOLE``: one batch of
+    every row of in-memory data (``train_on_batch``)."""
     for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
                              ("initial_epoch", initial_epoch, 0), ("log_every", log_every, 1)):
-        check_int(name, value, low)
+        if not isinstance(value, Whole):
+            check_int(name, value, low)
     steps = None if steps_per_epoch is None else _steps("steps_per_epoch", steps_per_epoch)
     val_steps = None if validation_steps is None else _steps("validation_steps",
                                                              validation_steps)
-    val_batch = batch_size if validation_batch_size is None else check_int(
-        "validation_batch_size", validation_batch_size, 1)
     val_freq = _validation_freq(validation_freq)
     if monitor is not None and not isinstance(monitor, Monitor):
         fail("monitor", monitor, "a fitdp.Monitor", error=TypeError)
@@ -101,12 +113,16 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
         check_choice("shuffle", shuffle, (True, False))
     check_number("timeout", timeout, low=0, low_open=True, fix="pass seconds, e.g. timeout=600")
     seed = _seed(seed)
-    micro = _micro_batch_size(model, reproducible, micro_batch_size, batch_size)
     split = _splits(validation_split)
     if split and validation_data is not None:
         fail("validation_split", validation_split, "validation_split or validation_data, "
              "not both", "drop one of them")
     data = read_data(x, y, sample_weight, labels_optional=model.labels_optional)
+    if isinstance(batch_size, Whole):
+        batch_size = data.rows()
+    val_batch = batch_size if validation_batch_size is None else check_int(
+        "validation_batch_size", validation_batch_size, 1)
+    micro = _micro_batch_size(model, reproducible, micro_batch_size, batch_size)
     val_data: UserData | None = None
     if split:  # cut from the tensors read once
         data, val_data = data.split(validation_split)
@@ -175,16 +191,20 @@ def _micro_batch_size(model: Any, reproducible: Any, micro_batch_size: Any,
     return micro  # (FSDP2 is refused when the step is bound: ``ReproducibleStep``)
 
 
-def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int,
+def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int | Whole,
               verbose: Any, callbacks: Any, steps: Any, devices: DevicesArg,
               has_labels: bool, work_load_list: Any = None) -> CallPlan:
-    """``evaluate`` (``has_labels``) or ``predict``."""
-    check_int("batch_size", batch_size, 1)
+    """``evaluate`` (``has_labels``) or ``predict``; ``batch_size=WHOLE``: one batch of every
+    row of in-memory data (``test_on_batch``, ``predict_on_batch``)."""
+    if not isinstance(batch_size, Whole):
+        check_int("batch_size", batch_size, 1)
     steps = None if steps is None else _steps("steps", steps)
     placement, auto = _place(model, devices, work_load_list, None)
     ranks = placement.ranks
     data = read_data(x, y, sample_weight, has_labels=has_labels,
                      labels_optional=model.labels_optional)
+    if isinstance(batch_size, Whole):
+        batch_size = data.rows()
     source = data.source(batch_size=batch_size, shuffle=False, seed=0, rank=ranks.rank,
                          world_size=ranks.world_size,
                          pin_memory=pin_host_batches(placement.devices))

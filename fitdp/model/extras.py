@@ -12,11 +12,10 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from fitdp.call.plan import CallPlan, plan_call, plan_fit
+from fitdp.call.plan import WHOLE, CallPlan, plan_call, plan_fit
 from fitdp.call.ranks import DEFAULT_TIMEOUT
 from fitdp.checks import check_int, fail
-from fitdp.data.batch import DataBatch, batch_length
-from fitdp.data.sources.convert import as_tensors
+from fitdp.data.batch import DataBatch
 from fitdp.executor.devices import DevicesArg
 from fitdp.model.summary import summarize, zeros_of
 
@@ -146,10 +145,10 @@ class ModelExtras:
             ValueError, TypeError: bad data, naming the argument.
         """
         compiled = self._require_compiled("train_on_batch")
-        rows = _rows(x)
+        _not_a_data_batch(x)
         place = self._placement(devices)
         plan = plan_fit(
-            self, x, y, sample_weight, batch_size=rows, epochs=1, verbose=0, callbacks=None,
+            self, x, y, sample_weight, batch_size=WHOLE, epochs=1, verbose=0, callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=False,
             class_weight=class_weight, initial_epoch=0, steps_per_epoch=None,
             validation_steps=None, validation_batch_size=None, validation_freq=1,
@@ -185,7 +184,8 @@ class ModelExtras:
 
     def _one_batch_plan(self, x: Any, y: Any, sample_weight: Any, devices: DevicesArg | None,
                         *, has_labels: bool) -> CallPlan:
-        return plan_call(self, x, y, sample_weight, batch_size=_rows(x), verbose=0,
+        _not_a_data_batch(x)
+        return plan_call(self, x, y, sample_weight, batch_size=WHOLE, verbose=0,
                          callbacks=None, steps=None, devices=self._placement(devices)[0],
                          has_labels=has_labels)
 
@@ -200,10 +200,13 @@ class ModelExtras:
         return list(placement.devices), list(placement.work_load_list)
 
 
-def _rows(x: Any) -> int:
-    """The batch's number of samples: one step takes it whole."""
+def _not_a_data_batch(x: Any) -> None:
+    """A one-batch call takes in-memory inputs, not fitdp's own ``DataBatch``.
+
+    Raises:
+        TypeError: naming ``x``.
+    """
     if isinstance(x, DataBatch) or (isinstance(x, (list, tuple)) and x
                                     and isinstance(x[0], DataBatch)):
         fail("x", "a DataBatch", "in-memory inputs (a tensor, an array, or a tuple/list/dict "
              "of them)", "pass batch.data and batch.label", error=TypeError, described=True)
-    return batch_length(as_tensors(x, "x"))  # of an (x, y) tuple: x's rows

@@ -215,3 +215,32 @@ def test_modes_follow_the_user_between_calls():
     model.module[1].register_forward_hook(lambda m, i, o: seen.append(m.training))
     model.fit(x, y, batch_size=8, devices=["cpu"], verbose=0)
     assert seen and all(seen)
+
+
+def test_one_batch_calls_convert_their_inputs_once(monkeypatch):
+    """Issue 30 item 7: ``train_on_batch``, ``test_on_batch`` and ``predict_on_batch`` read a
+    numpy ``x`` once, as ``fit`` does (the batch is every row of the converted data), and
+    equal ``fit``/``evaluate``/``predict`` with the whole data as one batch."""
+    x, y = classification(12)
+    x_np = x.numpy().astype(np.float64)  # converted (to float32) when read
+    converted = []
+    real = torch.from_numpy
+
+    def spy(array):
+        if array is x_np or getattr(array, "base", None) is x_np:
+            converted.append(array.shape)
+        return real(array)
+
+    monkeypatch.setattr(torch, "from_numpy", spy)
+    model, twin = compiled(), compiled()
+    logs = model.train_on_batch(x_np, y.numpy(), return_dict=True)
+    assert len(converted) == 1
+    history = twin.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    assert logs["loss"] == pytest.approx(history.history["loss"][0], rel=1e-6)
+    for a, b in zip(model.module.parameters(), twin.module.parameters()):
+        torch.testing.assert_close(a, b)
+    converted.clear()
+    assert model.test_on_batch(x_np, y.numpy(), return_dict=True)["loss"] == pytest.approx(
+        twin.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)["loss"], rel=1e-6)
+    torch.testing.assert_close(model.predict_on_batch(x_np), twin.predict(x, batch_size=12))
+    assert len(converted) == 2

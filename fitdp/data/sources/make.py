@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from fitdp.checks import check_number, fail
-from fitdp.data.batch import DataBatch
+from fitdp.data.batch import DataBatch, batch_length
 from fitdp.data.sources.convert import read_tensors, split_validation
 from fitdp.data.sources.loaders import EpochSampler, LoaderSource
 from fitdp.data.sources.protocol import DataSource
@@ -80,6 +80,19 @@ class UserData:
         train, val = split_validation(fraction, self.x, self.y, self.sample_weight)
         return (dataclasses.replace(self, x=train[0], y=train[1], sample_weight=train[2]),
                 dataclasses.replace(self, x=val[0], y=val[1], sample_weight=val[2]))
+
+    def rows(self) -> int:
+        """How many samples in-memory data holds: the batch of a call that takes it whole in
+        one step (``train_on_batch`` and the like).
+
+        Raises:
+            TypeError: data that is not in memory (naming ``x``).
+        """
+        if self.kind is not Kind.TENSORS:
+            fail("x", self.kind.value, "in-memory inputs (a tensor, an array, or a tuple/list/"
+                 "dict of them) for one batch", "pass the batch's tensors",
+                 error=TypeError, described=True)
+        return batch_length(self.x)  # (of an (x, y) tuple: x's rows)
 
     def source(self, *, batch_size: int, shuffle: bool, seed: int,
                class_weight: Mapping[int, float] | None = None, rank: int = 0,
