@@ -201,10 +201,14 @@ class Executor:
         self.rows = rows
 
     def _stage(self, tree: Any, prefix: str) -> Any:
+        """``tree`` on this device: as it is when it is here already and no buckets share
+        the input buffers (no copy), else each tensor copied into its shared buffer."""
         if isinstance(tree, torch.Tensor):
             if tree.device == self.device and not self.warn_on_grow:
-                return tree  # already here and no buckets to share memory with: no copy
+                return tree
             return self._buffer(prefix, tree).copy_(tree, non_blocking=True)
+        if not self.warn_on_grow and all(t.device == self.device for t in tree_leaves(tree)):
+            return tree  # (a Hugging Face batch's dict on the CPU, say)
         names = iter(tree_names(tree, prefix))
 
         def copy(src: torch.Tensor) -> torch.Tensor:

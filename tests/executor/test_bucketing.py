@@ -369,3 +369,27 @@ def test_batches_without_bucket_key_run_the_default_bucket():
     val = (torch.randint(1, VOCAB, (6, 16)), torch.randint(0, 3, (6,)))
     history = model.fit(it, validation_data=val, devices=CPU2, verbose=0)
     assert "val_loss" in history.history
+
+
+def test_inputs_already_on_the_device_are_staged_without_a_copy_unless_buckets_share_buffers():
+    """A tensor or a dict of tensors (a Hugging Face batch) already on the replica's device
+    is run as it is; with buckets, every input goes through the buffers the buckets share
+    (MXNet's shared memory), so a later, larger bucket reuses them."""
+    from fitdp.executor.replica import Executor
+
+    cpu = torch.device("cpu")
+    batch = {"ids": torch.arange(6).view(3, 2), "mask": torch.ones(3, 2)}
+    for tree in (batch["mask"], batch):
+        plain = Executor(nn.Identity(), cpu, {})
+        plain.load(tree, None, valid=3)
+        assert plain.inputs is tree and plain.shared_buffers == {}
+        shared: dict = {}
+        bucketed = Executor(nn.Identity(), cpu, shared, warn_on_grow=True)
+        bucketed.load(tree, None, valid=3)
+        assert bucketed.inputs is not tree and shared
+        staged = [bucketed.inputs] if isinstance(tree, torch.Tensor) else list(
+            bucketed.inputs.values())
+        originals = [tree] if isinstance(tree, torch.Tensor) else list(tree.values())
+        for got, want in zip(staged, originals):
+            torch.testing.assert_close(got, want)
+            assert got.data_ptr() != want.data_ptr()
