@@ -89,20 +89,26 @@ class BackupAndRestore(Callback):
                 with open(self.path, "rb") as f:
                     verify(f, self.path)
             return self.path
-        except FileNotFoundError:
-            pass  # no backup, or another rank just set a damaged one aside
+        except FileNotFoundError:  # no backup, or another rank just set a damaged one aside
+            if os.path.exists(self.path + ".damaged") and is_checkpoint(self.previous_path):
+                self._warn_damaged("set aside by another rank as it was read", stacklevel=3)
         except CheckpointError as e:
             if not is_checkpoint(self.previous_path):
                 return self.path  # nothing to fall back to: loading it reports the damage
             self._set_aside(e)
         return self.previous_path if is_checkpoint(self.previous_path) else None
 
+    def _warn_damaged(self, error: object, stacklevel: int) -> None:
+        """Every rank says it resumes from the previous backup (the warning names the one
+        whose caller called ``resume_path``)."""
+        warnings.warn(f"BackupAndRestore: the latest backup is damaged ({error}); resuming from "
+                      f"the previous one, {self.previous_path}. The damaged file is kept as "
+                      f"{self.path}.damaged.", UserWarning, stacklevel=stacklevel + 1)
+
     def _set_aside(self, error: CheckpointError) -> None:
         """Move a damaged latest backup out of the rotation (kept for inspection)."""
         damaged = self.path + ".damaged"
-        warnings.warn(f"BackupAndRestore: the latest backup is damaged ({error}); resuming from "
-                      f"the previous one, {self.previous_path}. The damaged file is kept as "
-                      f"{damaged}.", UserWarning, stacklevel=3)
+        self._warn_damaged(error, stacklevel=4)
         if self._is_main_process():
             if os.path.isdir(damaged):  # os.replace replaces only files
                 remove_checkpoint(damaged)

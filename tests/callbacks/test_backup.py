@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 from callback_helpers import attach
@@ -97,6 +98,22 @@ def test_double_checkpoint_falls_back_when_the_latest_is_damaged(tmp_path):
     assert load_checkpoint(again.previous_path)["step"] == 20
     again.on_train_end({})
     assert not (tmp_path / "bk").exists()
+
+
+def test_a_rank_that_finds_the_damaged_backup_set_aside_warns_too(tmp_path):
+    """Under torchrun every rank reads the latest backup; the main one sets a damaged one
+    aside, and a rank that looks after that finds it gone. That rank must still say it
+    resumes from the previous backup (seen in a 2-rank FSDP run: only rank 0 warned)."""
+    backup, _ = _interrupted_run(tmp_path, epochs=3)
+    os.replace(backup.path, backup.path + ".damaged")  # what the main rank just did
+    with pytest.warns(UserWarning, match=r"latest backup is damaged .*another rank.*previous"):
+        assert backup.resume_path() == backup.previous_path
+    os.replace(backup.previous_path, backup.path)  # nothing was set aside after all...
+    os.remove(backup.path + ".damaged")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ...and a missing latest alone warns of nothing
+        os.replace(backup.path, backup.previous_path)
+        assert backup.resume_path() == backup.previous_path
 
 
 def test_crash_between_rotation_and_save_resumes_from_previous(tmp_path):
