@@ -343,10 +343,12 @@ class Executor:
         if pending:
             losses = torch.stack([loss for loss, _ in pending]).double()
             numbers = [n for _, n in pending]
-            counts = (torch.tensor(numbers, dtype=torch.float64, device=self.device)
-                      if all(isinstance(n, int) for n in numbers) else  # (rows: one tensor)
-                      torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
-                                   for n in numbers]))
+            if all(isinstance(n, int) for n in numbers):  # rows: one copy, staged from the
+                counts = torch.tensor(numbers, dtype=torch.float64).to(  # host, no device wait
+                    self.device, non_blocking=True)
+            else:  # counted targets, on the device already
+                counts = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
+                                      for n in numbers])
             self.loss_sum += (losses * counts).cumsum(0)[-1]  # in order, as one device sums
             self.loss_count += counts.sum()
             self.pending_losses = []
@@ -394,6 +396,8 @@ class ModuleLoss:
     def __call__(self, ex: Executor, training: bool) -> tuple[torch.Tensor | None, Any]:
         if self.own is not None:
             return self._own_loss(ex, training)
+        # ``module_outputs``'s own plain branch, taken here without the extra call: this
+        # is every step's default compute.
         outputs = call_module(ex.fn, ex.inputs, self.kwargs) if ex.plain else \
             ex.module_outputs(training, self.kwargs)
         lab = ex.labels

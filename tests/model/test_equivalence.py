@@ -6,7 +6,10 @@ import copy
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
 
 import fitdp
 from fitdp.data.batch import DataBatch
@@ -158,3 +161,49 @@ def test_bf16_mixed_trains_close_to_fp32():
         losses[precision] = h.history["loss"]
     assert losses["bf16-mixed"][-1] < losses["bf16-mixed"][0]
     assert abs(losses["bf16-mixed"][-1] - losses["32"][-1]) < 0.1
+
+
+def frozen_net() -> nn.Module:
+    """A model with a frozen BatchNorm and a switched-off Dropout (both in eval): what a
+    fine-tuning user trains. Its statistics are set, so a wrong mode shows in the numbers."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.5),
+                        nn.Linear(16, 5))
+    with torch.no_grad():
+        net[1].running_mean.uniform_(-0.5, 0.5)
+        net[1].running_var.uniform_(0.5, 2.0)
+    net[1].eval()
+    net[3].eval()
+    return net
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 3), loads=st.lists(st.integers(1, 4), min_size=3, max_size=3),
+       accum=st.integers(1, 2), batch=st.integers(5, 16))
+def test_any_device_list_and_work_loads_equal_one_device(n, loads, accum, batch):
+    """Property (the brief: "compare with one device on random device lists"): on 2-3 CPU
+    replicas with any work loads (a device may get no rows of a short batch), any batch size
+    and gradient accumulation, fit with a torchmetrics metric and validation ends with the
+    one-device weights, the frozen BatchNorm's statistics untouched, every submodule's mode
+    as it was, the same logs, and the global generator where one device leaves it."""
+    x, y = data(50)
+    runs = []
+    for devices, work in ((["cpu"], None), (["cpu"] * n, loads[:n])):
+        model = fitdp.Model(frozen_net())
+        model.compile("adam", lr=0.01, loss="cross_entropy", grad_accum_steps=accum,
+                      metrics=[MulticlassAccuracy(num_classes=5)])
+        torch.manual_seed(7)
+        history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False,
+                            validation_data=(x[:20], y[:20]), devices=devices,
+                            work_load_list=work, verbose=0)
+        runs.append((model, history.history, torch.get_rng_state()))
+    (one, logs_one, rng_one), (many, logs_many, rng_many) = runs
+    assert_same_weights(one.module, many.module)
+    for name, t in one.module.named_buffers():
+        assert torch.equal(t, dict(many.module.named_buffers())[name]), name
+    assert [m.training for m in many.module.modules()] == [True, True, False, True, False,
+                                                           True]
+    assert logs_one.keys() == logs_many.keys()
+    for key in logs_one:
+        assert logs_many[key] == pytest.approx(logs_one[key], rel=1e-5, abs=1e-6), key
+    assert torch.equal(rng_one, rng_many)
