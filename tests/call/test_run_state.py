@@ -91,16 +91,8 @@ def test_bucket_iterator_position_does_not_leak_between_calls():
     seqs = [torch.randint(1, 9, (n,)) for n in [3, 5, 7] * 10]
     labels = torch.tensor([0, 1, 2] * 10)
 
-    class Tagger(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb, self.out = nn.Embedding(10, 8), nn.Linear(8, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.out(self.emb(x).mean(1))
-
     torch.manual_seed(0)
-    model = fitdp.Model(Tagger())
+    model = fitdp.Model(_BagOfWords())
     model.compile(optimizer="sgd", loss="cross_entropy")
     it = fitdp.BucketIterator(seqs, labels, batch_size=4, buckets=[3, 5, 7], seed=0)
     assert len(it) == 9
