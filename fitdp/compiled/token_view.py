@@ -58,7 +58,8 @@ class TokenView:
                 f"shape {tuple(logits.shape)}; expected the logits to be the labels' shape "
                 f"plus a last axis of classes (transformers' layout, which compile(loss=None) "
                 f"reads). Fix: pad the labels to the inputs' length (-100 where there is no "
-                f"label), as DataCollatorForTokenClassification does.")
+                f"label), as DataCollatorForTokenClassification does; a module of your own "
+                f"that puts the classes on axis 1 returns logits.transpose(1, -1) instead.")
         if self.shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
         return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
