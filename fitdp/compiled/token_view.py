@@ -25,7 +25,8 @@ class TokenView:
 
     Args:
         shift: the model's loss shifts its labels (a causal LM: ``logits[:, :-1]`` against
-            ``labels[:, 1:]``, as transformers' ``ForCausalLMLoss``).
+            ``labels[:, 1:]``, as transformers' ``ForCausalLMLoss``; the last position's
+            logits are then paired with -100).
 
     Example:
         >>> view = TokenView(shift=False)
@@ -61,7 +62,11 @@ class TokenView:
                 f"label), as DataCollatorForTokenClassification does; a module of your own "
                 f"that puts the classes on axis 1 returns logits.transpose(1, -1) instead.")
         if self.shift:
-            logits, labels = logits[:, :-1], labels[:, 1:]
+            # labels[:, 1:] against logits[:, :-1], written as the labels moved one position
+            # left with -100 after the last: the logits stay whole, so the rows below are a
+            # view of them, not a copy (an LM's logits are batch x length x vocabulary).
+            labels = torch.cat([labels[:, 1:], labels.new_full(
+                (labels.shape[0], 1, *labels.shape[2:]), IGNORE_INDEX)], 1)
         return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
 
     @staticmethod
