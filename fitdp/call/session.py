@@ -230,6 +230,8 @@ class Session:
                 self._first_batch(self.train, batch, first, stepping)  # type: ignore[arg-type]
             if not self.verified:
                 self._first_batch_checks(batch)
+                if isinstance(self.train, Step):  # the checks were the outputs' last reader
+                    self.train.keep_outputs = self.train.metric is not None
                 if due and not self.manual:
                     self.train.step_now()  # type: ignore[union-attr]
             run.micro_step += 1
