@@ -29,6 +29,7 @@ from fitdp.data.sequence import check_pad_args
 from fitdp.executor.checks import check_bucket_module
 from fitdp.executor.devices import DevicesArg
 from fitdp.executor.engines import Strategy
+from fitdp.executor.update import StepState
 from fitdp.model.extras import ModelExtras, keras_logs
 from fitdp.model.lr_finder import LRFinding
 from fitdp.model.saving import ModelIO
@@ -108,6 +109,16 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         """Whether the replicas in use shard the weights across ranks (``strategy="fsdp"``):
         saving then gathers them, a collective every rank must join."""
         return self._replicas is not None and self._replicas.shards_weights
+
+    @property
+    def step_state(self) -> StepState | None:
+        """During ``fit``, what its last optimizer step saw, read-only and on the device
+        (``grad_norm`` before clipping when a callback logs it or the fit clips,
+        ``skipped`` for an inf gradient under 16-mixed, ``lr``, ``steps``); None outside
+        ``fit``. Reading a tensor of it as a number syncs with the device: do it at log
+        points (``Callback.params["log_every"]``)."""
+        session = self._session
+        return session.step_state if session is not None else None
 
     @property
     def lr_scheduler(self) -> Any:
