@@ -46,7 +46,6 @@ from fitdp.checks import FitdpWarning
 from fitdp.compiled.losses import explain_failure
 from fitdp.compiled.setup import Compiled
 from fitdp.data.batch import DataBatch, batch_length, take_rows, tree_cat, tree_map
-from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.checkpointing import ActivationCheckpointing
 from fitdp.executor.replica import call_module
@@ -426,13 +425,14 @@ class Session:
         return logs
 
     def predict_pass(self, source: DataSource, callbacks: CallbackList, steps: int | None,
-                     pad_value: float = PAD_VALUE, ragged: bool = False) -> Any:
+                     pad_value: float | None = None, ragged: bool = False) -> Any:
         """Outputs for every sample of ``source``, in input order, on the CPU (see
         ``loop.assemble`` for ``pad_value`` and ``ragged``)."""
         self.run.stop_predicting = False
         source.set_epoch(0)
         rows: list[tuple[int, Any, Any]] = []
         axes: list[Any] = []  # per batch, each output's batch axis
+        kinds: list[type | None] = []  # per batch, the outputs' class (a ModelOutput)
         to_host = _host_copier(self.replicas)
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
@@ -446,6 +446,7 @@ class Session:
             outs = [tree_map(to_host, o) for o in self.mgr.outputs()]
             if outs:
                 axes.append(self.mgr.output_axes())
+                kinds.append(self.mgr.output_type())
             rows.append((index, batch.index, tree_cat(outs, axes[-1]) if outs else None))
             return {}
 
@@ -453,7 +454,8 @@ class Session:
         run_batches(itertools.islice(source, steps), callbacks, PREDICT, step, self.run)
         callbacks.call("on_predict_end", {})
         same = bool(axes) and all(a == axes[0] for a in axes)
-        return assemble(rows, self.plan.ranks, axes[0] if same else 0, pad_value, ragged)
+        return assemble(rows, self.plan.ranks, axes[0] if same else 0, pad_value, ragged,
+                        kinds[0] if kinds else None)
 
     # -- shared by every call -------------------------------------------------------------
 

@@ -354,6 +354,12 @@ class DataParallelExecutorManager:
         ex = next((e for e in self.curr_execgrp.executors if e.valid > 0), None)
         return 0 if ex is None else ex.output_axes(ex.outputs)
 
+    def output_type(self) -> type | None:
+        """The class of the current batch's outputs when the module returned a dict (a
+        ``ModelOutput``: ``outputs`` holds its per-row fields as a plain dict), else None."""
+        ex = next((e for e in self.curr_execgrp.executors if e.valid > 0), None)
+        return None if ex is None or isinstance(ex.outputs, torch.Tensor) else ex.output_type
+
     def loss_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of per-row losses, rows) since ``reset_loss``, on device 0 (no host sync)."""
         sums, dev = self.loss_sums(), self.devices[0]

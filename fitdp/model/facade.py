@@ -25,7 +25,7 @@ from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.metrics import MetricsArg
 from fitdp.compiled.optimizers import OptimizerArg
 from fitdp.compiled.setup import CompileArgs, Compiled
-from fitdp.data.sequence import PAD_VALUE, check_pad_args
+from fitdp.data.sequence import check_pad_args
 from fitdp.executor.checks import check_bucket_module
 from fitdp.executor.devices import DevicesArg
 from fitdp.executor.engines import Strategy
@@ -278,11 +278,13 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
     def predict(self, x: Any = None, batch_size: int = 32, verbose: int | str = 0,
                 steps: int | None = None, callbacks: Sequence[Callback] | None = None, *,
                 devices: DevicesArg = "auto", work_load_list: Sequence[float] | str | None = None,
-                pad_value: float = PAD_VALUE, ragged: bool = False, **legacy: Any) -> Any:
+                pad_value: float | None = None, ragged: bool = False, **legacy: Any) -> Any:
         """Outputs for every sample, one row per input sample, in input order, on the CPU
         (under torch.distributed: all rows, on every rank). Needs no compile. Outputs of
         several lengths (a per-token tagger over buckets) are padded at their end with
-        ``pad_value`` to the longest; ``ragged=True`` returns a list of per-sample outputs."""
+        ``pad_value`` to the longest (None: 0.0, or -100 for a transformers ``ModelOutput``,
+        as Trainer pads predictions); ``ragged=True`` returns a list of per-sample outputs.
+        A module's ``ModelOutput`` comes back as its class, the per-row fields joined."""
         check_pad_args(pad_value, ragged)
         plan = plan_call(self, legacy_data(x, legacy, "predict"), None, None,
                          batch_size=batch_size, verbose=verbose, callbacks=callbacks,
