@@ -113,14 +113,17 @@ class LoaderSource:
         return SourcePlan(num_samples=n, replayable=not self.one_shot)
 
     def set_epoch(self, epoch: int) -> None:
-        sampler: Any = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        self.epoch = epoch
-        if callable(getattr(self.stream, "set_epoch", None)):
-            self.stream.set_epoch(epoch)
+        self._tell_epoch(epoch)
         if not self.one_shot:
             self.position, self._live = 0, None
+
+    def _tell_epoch(self, epoch: int) -> None:
+        """The epoch, to the sampler and the stream that draw their order from it (as
+        ``DistributedSampler``), at every epoch and at a resume into one."""
+        self.epoch = epoch
+        for owner in (getattr(self.loader, "sampler", None), self.stream):
+            if callable(getattr(owner, "set_epoch", None)):
+                owner.set_epoch(epoch)  # type: ignore[union-attr]
 
     def __iter__(self) -> Iterator[DataBatch]:
         if self._live is None:
@@ -142,6 +145,10 @@ class LoaderSource:
             self.loader.load_state_dict(saved["loader"])  # type: ignore[attr-defined]
             self.epoch_generators = saved.get("generators", [])
             batches = iter(self.loader)
+            # Its own generator (generator=g) as the stop left it: torchdata puts it back at
+            # the epoch's start and redraws the order, but not the draw of the workers' seed
+            # before it, so the next epoch would be drawn from another state.
+            _set_states(self.generators, saved.get("generators_now"))
             torch.set_rng_state(now)
             return batches
         elif skip and self.stream is None:  # replay the epoch's order from its start's states
@@ -281,7 +288,8 @@ class LoaderSource:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._tell_epoch(int(state["epoch"]))  # (a mid-epoch resume sets no epoch)
+        self.position = int(state["position"])
         old, new = state.get("batch_size"), getattr(self.loader, "batch_size", None)
         if isinstance(old, int) and isinstance(new, int) and self.stream is None:
             # a DataLoader with another batch_size: skip the samples, not the batches
