@@ -183,3 +183,22 @@ def test_a_stateful_dataloader_with_its_own_generator_resumed_in_epoch_0_shuffle
         return stateful_loader(generator=torch.Generator().manual_seed(3))
 
     assert_bitwise(interrupted_then_resumed(loader, tmp_path, at), fit(loader))
+
+
+def test_a_stateful_dataloader_resumed_on_a_shorter_dataset_is_refused_before_any_step(
+        tmp_path):
+    """Regression (issue 37 item 11): a StatefulDataLoader checkpoint 4 batches into 48 rows
+    resumed on 16 rows trained, then failed with "generator raised StopIteration" after the
+    weights moved. The position is past the shorter data's end: refused at the door."""
+    with pytest.raises(KeyboardInterrupt):
+        fit(stateful_loader, tmp_path, Crash(5))  # the checkpoint of step 4
+    model = make()
+    before = [t.clone() for t in model.module.state_dict().values()]
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    short = StatefulDataLoader(TensorDataset(X[:16], Y[:16]), batch_size=BATCH, shuffle=True)
+    with pytest.raises(fitdp.CheckpointError, match=r"4 batches \(32 samples\) into epoch 0, "
+                       r"past the end of this fit's data, which has 16 samples"):
+        model.fit(short, epochs=EPOCHS, verbose=0, resume=str(tmp_path / "c-004.ckpt"))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.module.state_dict().values()))
+    assert model.global_step == 0

@@ -11,7 +11,7 @@ from torch.utils.data import IterableDataset
 from fitdp.checks import fail
 from fitdp.data.batch import DataBatch, tree_structure
 from fitdp.data.sources.convert import as_tensors
-from fitdp.data.sources.protocol import SourcePlan, position_problem
+from fitdp.data.sources.protocol import SourcePlan, past_end_problem, position_problem
 from fitdp.data.sources.tensors import epoch_generator, rebatched
 
 # A dict batch with a compile loss and no targets: the fix for a Hugging Face batch.
@@ -213,6 +213,10 @@ class LoaderSource:
         problem = position_problem(state, ("epoch", "position"), "a DataLoader or iterable")
         if problem or not continues:
             return problem
+        if not self.one_shot and (problem := past_end_problem(
+                state, rows=state.get("batch_size"), samples=self.plan().num_samples,
+                batches=self.num_batches)):
+            return problem
         self._check_workers(state)
         if self.stream is None or not state["position"]:
             return None
@@ -271,7 +275,8 @@ class LoaderSource:
 
     def state_dict(self) -> dict[str, Any]:
         state = {"epoch": self.epoch, "position": self.position, "rng": self.epoch_rng,
-                 "batch_size": getattr(self.loader, "batch_size", None)}
+                 "batch_size": getattr(self.loader, "batch_size", None),
+                 "samples": self.plan().num_samples}
         if self.stream is not None:  # read after every optimizer step
             state["stream"] = self.stream.state_dict() if self._stateful() else None
         pending = self._saved
