@@ -95,6 +95,10 @@ class LoaderSource:
         dataset = getattr(loader, "dataset", None)
         # the user's stream, duck-typed: set_epoch, state_dict, load_state_dict when it has them
         self.stream: Any = dataset if isinstance(dataset, IterableDataset) else None
+        try:  # (read once: the position is saved after every optimizer step)
+            self.num_samples = len(dataset) if dataset is not None else None  # type: ignore[arg-type]
+        except TypeError:
+            self.num_samples = None
         self._stream_state: Any = None  # where a resumed stream continues
 
     @property
@@ -105,12 +109,7 @@ class LoaderSource:
             return None
 
     def plan(self) -> SourcePlan:
-        dataset = getattr(self.loader, "dataset", None)
-        try:
-            n = len(dataset) if dataset is not None else None  # type: ignore[arg-type]
-        except TypeError:
-            n = None
-        return SourcePlan(num_samples=n, replayable=not self.one_shot)
+        return SourcePlan(num_samples=self.num_samples, replayable=not self.one_shot)
 
     def set_epoch(self, epoch: int) -> None:
         self._tell_epoch(epoch)
@@ -214,7 +213,7 @@ class LoaderSource:
         if problem or not continues:
             return problem
         if not self.one_shot and (problem := past_end_problem(
-                state, rows=state.get("batch_size"), samples=self.plan().num_samples,
+                state, rows=state.get("batch_size"), samples=self.num_samples,
                 batches=self.num_batches)):
             return problem
         self._check_workers(state)
@@ -276,7 +275,7 @@ class LoaderSource:
     def state_dict(self) -> dict[str, Any]:
         state = {"epoch": self.epoch, "position": self.position, "rng": self.epoch_rng,
                  "batch_size": getattr(self.loader, "batch_size", None),
-                 "samples": self.plan().num_samples}
+                 "samples": self.num_samples}
         if self.stream is not None:  # read after every optimizer step
             state["stream"] = self.stream.state_dict() if self._stateful() else None
         pending = self._saved
@@ -298,7 +297,7 @@ class LoaderSource:
         old, new = state.get("batch_size"), getattr(self.loader, "batch_size", None)
         if isinstance(old, int) and isinstance(new, int) and self.stream is None:
             # a DataLoader with another batch_size: skip the samples, not the batches
-            self.position = rebatched(self.position, old, new, self.plan().num_samples,
+            self.position = rebatched(self.position, old, new, self.num_samples,
                                       self.epoch, old, new)
         self.epoch_rng = state.get("rng")
         self._stream_state = state.get("stream")
