@@ -52,7 +52,7 @@ from fitdp.executor.replica import call_module
 from fitdp.executor.reproducible import ReproducibleStep
 from fitdp.executor.step import Step
 from fitdp.executor.update import StepState
-from fitdp.saving.entries import Entry, EpochLogs
+from fitdp.saving.entries import RNG, Entry, EpochLogs, RankStates
 from fitdp.saving.fence import fence_steps
 
 
@@ -78,6 +78,9 @@ class Session:
         # train_step steps them (``Model.optimizer_step``) and fitdp takes no step itself.
         self.custom = replicas.step
         self.epoch_logs = EpochLogs(self.mgr, self.metrics, run, self.custom, plan.ranks)
+        # Each rank's own generators and data position, gathered before rank 0 saves.
+        self.rng = RankStates(RNG, plan.ranks, "random generators")
+        self.position = RankStates(self.data_position(), plan.ranks, "data positions")
         self.distributed = plan.ranks.enabled  # (read at every step boundary)
         self.manual = compiled is not None and compiled.manual
         if self.custom is not None and self.custom.meeting is not None:

@@ -35,7 +35,6 @@ from fitdp.model.lr_finder import LRFinding
 from fitdp.model.saving import ModelIO
 from fitdp.model.steps import KerasSteps
 from fitdp.saving.async_writer import AsyncCheckpointWriter
-from fitdp.saving.entries import RNG
 
 
 class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
@@ -238,7 +237,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             cbs.call("on_train_begin", logs)
             if saved is not None:
                 cbs.load_state_dict(saved.get("callbacks") or {})
-                RNG.load_state_dict(saved["rng"])  # last: nothing above may draw from it
+                session.rng.load_state_dict(saved["rng"])  # last: nothing above may draw
             for epoch in range(run.next_epoch, plan.epochs):
                 run.begin_epoch(epoch)
                 cbs.call("on_epoch_begin", epoch, {})
