@@ -210,27 +210,34 @@ def single(case: str, model_name: str, steps: int, quick: bool) -> dict[str, Any
     base = peak_gb()
     clock = Clock()
     out: dict[str, Any] = {}
+    save: Callable[[str], None] | None = None
+    load: Callable[[str], None] | None = None
     with tempfile.TemporaryDirectory(prefix="fitdp-hf-bench-") as folder:
         if case == "hand":
             opt = hand(net, parts, clock)
-            out["save"], out["load"] = checkpoint_times(
-                lambda p: torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()},
-                                     p),
-                lambda p: (lambda s: (net.load_state_dict(s["model"]),
-                                      opt.load_state_dict(s["optimizer"])))(
-                    torch.load(p, weights_only=True)))
+
+            def save(p: str) -> None:
+                torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, p)
+
+            def load(p: str) -> None:
+                state = torch.load(p, weights_only=True)
+                net.load_state_dict(state["model"])
+                opt.load_state_dict(state["optimizer"])
         elif case in ("fitdp", "repro"):
             fit = dict(reproducible=True, micro_batch_size=rows) if case == "repro" else {}
             model = fitdp_case(net, data, rows, clock, devices=["cpu"], **fit)
             if case == "fitdp":
-                out["save"], out["load"] = checkpoint_times(model.save, model.load)
+                save, load = model.save, model.load
         elif case == "trainer":
             trainer_case(net, parts, rows, clock, folder)
         else:
             lightning_case(net, parts, clock)
+    # Training's peak, before a checkpoint's save and load add theirs.
     out.update(step=statistics.median(clock.seconds[1:]), steps=len(clock.seconds),
                peak=peak_gb(), grown=peak_gb() - base,
                params=sum(p.numel() for p in net.parameters()))
+    if save is not None and load is not None:
+        out["save"], out["load"] = checkpoint_times(save, load)
     return out
 
 
