@@ -107,7 +107,8 @@ def test_an_index_entry_read_as_a_pickled_object_is_refused(tmp_path):
         index.state_dict_metadata["module/0.weight"] = BytesStorageMetadata()
 
     metadata = rewrite_index(saved(folder), as_bytes)
-    with pytest.raises(fitdp.CheckpointError, match=re.escape(str(metadata)) + ".*BytesStorageMetadata"):
+    refusal = re.escape(str(metadata)) + ".*BytesStorageMetadata"
+    with pytest.raises(fitdp.CheckpointError, match=refusal):
         load_sharded(folder)
 
 
