@@ -84,7 +84,7 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     if not async_save:
         with warnings.catch_warnings(), _naming_os_errors(target):  # as in load
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save(state, checkpoint_id=str(target), no_dist=not _grouped(),
+            dcp.save(state, storage_writer=_writer(target), no_dist=not _grouped(),
                      process_group=group)
         _record_sums(target)
         _publish(root, target.name)
@@ -94,8 +94,8 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     # results) run while training's run on the default group.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        pending = dcp.async_save(state, checkpoint_id=str(target), no_dist=not _grouped(),
-                                 process_group=group)
+        pending = dcp.async_save(state, storage_writer=_writer(target),
+                                 no_dist=not _grouped(), process_group=group)
     done: Future[None] = Future()
 
     def finish(fut: Any) -> None:
@@ -130,6 +130,20 @@ def _naming_os_errors(target: Path) -> Iterator[None]:
         if cause is None or cause.errno is None:
             raise
         raise OSError(cause.errno, cause.strerror, str(target)) from exc
+
+
+def _writer(target: Path) -> Any:
+    """DCP's ``FileSystemWriter`` of ``target`` whose failed write raises the ``OSError``
+    naming ``target`` on the rank it failed on: DCP hands each rank's error to the others
+    pickled, which drops the ``OSError`` that torch's error holds as its context."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class NamingWriter(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            with _naming_os_errors(target):
+                return super().write_data(plan, planner)
+
+    return NamingWriter(target)
 
 
 def _os_error_in(exc: BaseException | None, depth: int = 0) -> OSError | None:
