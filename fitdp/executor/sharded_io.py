@@ -94,8 +94,11 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     # results) run while training's run on the default group.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        pending = dcp.async_save(state, storage_writer=_writer(target),
-                                 no_dist=not _grouped(), process_group=group)
+        # DCP's own writer: given one, async_save stages through it instead of its default
+        # stager (which FSDP2's DTensors need), so another rank's failed write stays
+        # DCP's error there; the rank whose write failed names the errno (finish).
+        pending = dcp.async_save(state, checkpoint_id=str(target), no_dist=not _grouped(),
+                                 process_group=group)
     done: Future[None] = Future()
 
     def finish(fut: Any) -> None:
