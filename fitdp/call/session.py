@@ -490,6 +490,8 @@ class Session:
             compiled.objective.check_targets(batch.label)
             if batch.sample_weight is not None and not compiled.objective.supports_sample_weight:
                 raise ValueError(compiled.objective.no_weights_message())
+        if isinstance(bound, Step) and bound.is_train:  # outputs kept for a reader only
+            bound.keep_outputs = bound.metric is not None or self._checks_outputs(batch)
         try:
             self.checked = True
             bound(batch, zero_grad=zero_grad, step=step, total_rows=batch.global_rows)
@@ -511,7 +513,7 @@ class Session:
         self.verified = True  # and one CPU row kept for summary()'s output shapes:
         self.example_inputs = tree_map(lambda t: t.to("cpu", copy=True), take_rows(
             batch.data, slice(0, 1), batch.axis))
-        if self.compiled is None or batch.label is None or self.custom is not None:
+        if not self._checks_outputs(batch):
             return  # (a custom step's outputs and targets are the step's own to check)
         outputs = self.mgr.outputs()
         if not outputs:
@@ -535,6 +537,11 @@ class Session:
         without one (evaluate, predict, no optimizer)."""
         update = getattr(self.train, "update", None)
         return update.state if update is not None else None
+
+    def _checks_outputs(self, batch: DataBatch) -> bool:
+        """Whether the first-batch checks read this call's outputs (compile's loss on
+        separate targets: a model's own loss on a dict batch needs no check)."""
+        return self.compiled is not None and batch.label is not None and self.custom is None
 
     def _batch_logs(self, index: int) -> dict[str, float]:
         if self.exact_logs or (self.batch_reads and is_log_point(index, self.log_every)):

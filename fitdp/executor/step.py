@@ -276,9 +276,9 @@ class Step:
         self.group = mgr.execgrp if mgr.bucket_module is None else None
         self.samples = 0  # rows run so far, padding left out (a call's throughput reads it)
         # A training step's outputs outlive backward only for a reader: its metric, the
-        # call's first-batch checks, or an MXNet-style caller's get_outputs. Held, a causal
-        # LM's logits (GPT-2 124M, batch 4x128: 103 MB) stay through backward and into the
-        # next forward: +0.33 GB peak RSS against the hand loop (bench/hf_sizes.py).
+        # call's first-batch checks, or an MXNet-style caller's get_outputs (the default).
+        # Held, a causal LM's logits (GPT-2 124M, batch 4x128: 103 MB) stay through backward
+        # and into the next forward: +0.33 GB peak RSS over the hand loop (bench/hf_sizes.py).
         self.keep_outputs = True
 
     def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
