@@ -20,6 +20,7 @@ from fitdp.callbacks import Callback, CallbackList, WeightAveraging
 from fitdp.checks import FitdpWarning, check_choice, check_int, check_number, fail
 from fitdp.data.sources import DataSource
 from fitdp.data.sources.make import Kind, UserData, read_data
+from fitdp.executor.batchnorm_rows import check_batchnorm_rows
 from fitdp.executor.devices import DevicesArg, pin_host_batches, resolve_devices
 from fitdp.executor.slicing import check_work_load_arg
 from fitdp.saving.entries import resume_path
@@ -132,6 +133,11 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
     train = data.source(batch_size=batch_size, shuffle=shuffle, seed=seed,
                         class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size,
                         pin_memory=pin, rank_unit=micro or 1)
+    if train.plan().rows_per_step is not None:  # in-memory tensors: every batch's rows known
+        check_batchnorm_rows(model.module, samples=None if steps else train.plan().num_samples,
+                             batch_size=batch_size, devices=placement.devices,
+                             loads=None if auto else placement.work_load_list,
+                             micro_batch_size=micro, world_size=ranks.world_size)
     num = train.num_batches
     if (steps is None and epochs - initial_epoch > 1 and num is None
             and data.kind is Kind.GENERATOR):
