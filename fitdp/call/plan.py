@@ -16,7 +16,7 @@ import torch
 from fitdp.call.monitor import Monitor
 from fitdp.call.ranks import DEFAULT_TIMEOUT, Ranks
 from fitdp.call.replicas import Placement
-from fitdp.callbacks import Callback, CallbackList, WeightAveraging
+from fitdp.callbacks import Callback, CallbackList, Profiler, WeightAveraging
 from fitdp.checks import FitdpWarning, check_choice, check_int, check_number, fail
 from fitdp.data.sources import DataSource
 from fitdp.data.sources.make import Kind, UserData, read_data
@@ -268,6 +268,11 @@ def _callbacks(model: Any, callbacks: Any, verbose: Any, **params: Any) -> Callb
         fail("callbacks", f"{len(averaging)} weight-averaging callbacks ({', '.join(averaging)})",
              "at most one EMA or SWA (each loads its average into the model when fit ends)",
              "keep one of them", described=True)
+    profilers = sum(isinstance(cb, Profiler) for cb in callbacks)
+    if profilers > 1:  # torch runs one profiler session at a time: two crashed (SIGSEGV)
+        fail("callbacks", f"{profilers} Profiler callbacks", "at most one Profiler (torch "
+             "runs one profiler at a time)", "keep one; its wait/warmup/active/repeat schedule "
+             "can record several windows", described=True)
     params.setdefault("resumed", None)
     return CallbackList(list(callbacks), model=model, add_history=True,
                         add_progbar=bool(level) and model.is_main_process, verbose=level,
