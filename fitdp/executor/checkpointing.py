@@ -134,13 +134,17 @@ class Checkpointed:
                  keeps_cache: bool = False) -> None:
         self.forward, self.draws = forward, draws
         try:
-            names = list(inspect.signature(forward).parameters)
+            params = list(inspect.signature(forward).parameters.values())
         except (TypeError, ValueError):  # no signature to read (a builtin)
-            names = []
-        # Each cache argument the forward names: (its position, what a checkpointed call
-        # passes); read once here, so a block without one pays nothing per call.
-        self.no_cache = [(name, i, _NO_CACHE[name]) for i, name in enumerate(names)
-                         if name in _NO_CACHE and not (keeps_cache and name != "use_cache")]
+            params = []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        at = {p.name: i for i, p in enumerate(params) if p.kind in positional}
+        takes = {p.name for p in params} | (set(_NO_CACHE) if any(  # (**kwargs takes any)
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params) else set())
+        # Each cache argument the forward takes: (name, position or None, what a checkpointed
+        # call passes); read once here, so a block without one pays nothing per call.
+        self.no_cache = [(name, at.get(name), off) for name, off in _NO_CACHE.items()
+                         if name in takes and not (keeps_cache and name != "use_cache")]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -148,7 +152,7 @@ class Checkpointed:
         for name, i, off in self.no_cache:
             if name in kwargs:
                 kwargs[name] = off
-            elif i < len(args):
+            elif i is not None and i < len(args):
                 args = args[:i] + (off,) + args[i + 1:]
         if self.draws is None:
             return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
@@ -164,7 +168,7 @@ class _Holding:
         self.forward, self.draws = forward, draws
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.draws.drawn:
+        if not (self.draws.drawn and torch.is_grad_enabled()):  # (evaluation: no recompute)
             return self.forward(*args, **kwargs)
         with SHARED:
             return self.forward(*args, **kwargs)
