@@ -16,10 +16,11 @@ import torch
 from fitdp.call.monitor import Monitor
 from fitdp.call.ranks import DEFAULT_TIMEOUT, Ranks
 from fitdp.call.replicas import Placement
-from fitdp.callbacks import Callback, CallbackList, WeightAveraging
+from fitdp.callbacks import Callback, CallbackList, Profiler, WeightAveraging
 from fitdp.checks import FitdpWarning, check_choice, check_int, check_number, fail
 from fitdp.data.sources import DataSource
 from fitdp.data.sources.make import Kind, UserData, read_data
+from fitdp.executor.batchnorm_rows import check_batchnorm_rows
 from fitdp.executor.devices import DevicesArg, pin_host_batches, resolve_devices
 from fitdp.executor.slicing import check_work_load_arg
 from fitdp.saving.entries import resume_path
@@ -132,6 +133,11 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
     train = data.source(batch_size=batch_size, shuffle=shuffle, seed=seed,
                         class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size,
                         pin_memory=pin, rank_unit=micro or 1)
+    if train.plan().rows_per_step is not None:  # in-memory tensors: every batch's rows known
+        check_batchnorm_rows(model.module, samples=None if steps else train.plan().num_samples,
+                             batch_size=batch_size, devices=placement.devices,
+                             loads=None if auto else placement.work_load_list,
+                             micro_batch_size=micro, world_size=ranks.world_size)
     num = train.num_batches
     if (steps is None and epochs - initial_epoch > 1 and num is None
             and data.kind is Kind.GENERATOR):
@@ -262,6 +268,11 @@ def _callbacks(model: Any, callbacks: Any, verbose: Any, **params: Any) -> Callb
         fail("callbacks", f"{len(averaging)} weight-averaging callbacks ({', '.join(averaging)})",
              "at most one EMA or SWA (each loads its average into the model when fit ends)",
              "keep one of them", described=True)
+    profilers = sum(isinstance(cb, Profiler) for cb in callbacks)
+    if profilers > 1:  # torch runs one profiler session at a time: two crashed (SIGSEGV)
+        fail("callbacks", f"{profilers} Profiler callbacks", "at most one Profiler (torch "
+             "runs one profiler at a time)", "keep one; its wait/warmup/active/repeat schedule "
+             "can record several windows", described=True)
     params.setdefault("resumed", None)
     return CallbackList(list(callbacks), model=model, add_history=True,
                         add_progbar=bool(level) and model.is_main_process, verbose=level,
