@@ -6,13 +6,12 @@ messages are already clear) or the user's (explained with what the batch held)."
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from fitdp.checks import fail
+from fitdp.checks import closest, fail
 from fitdp.data.batch import DataBatch, tree_leaves, tree_structure
 from fitdp.data.sources import DataSource
 
@@ -74,10 +73,10 @@ class ForwardArguments:
             for key in keys:
                 if not isinstance(key, str) or key in self.names:
                     continue
-                close = difflib.get_close_matches(key, self.names, n=1, cutoff=0.8)
-                if self.open and not close:
+                close = closest(key, self.names)
+                if self.open and close is None:
                     continue  # the forward's **kwargs may read it
-                fix = (f"did you mean {close[0]!r}? Rename the key" if close else
+                fix = (f"did you mean {close!r}? Rename the key" if close else
                        "drop the key, or rename it to one of the arguments")
                 swallows = (" (it takes **kwargs, which would swallow a misspelt argument "
                             "silently)") if self.open else ""

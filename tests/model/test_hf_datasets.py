@@ -257,3 +257,13 @@ def test_a_key_no_argument_is_close_to_goes_to_the_forwards_kwargs() -> None:
     ids = torch.randint(1, 20, (8, 6))
     out = model.predict({"input_ids": ids}, batch_size=4)
     assert "hidden_states" in out or "logits" in out
+
+
+def test_a_misspelt_column_is_named_not_dropped() -> None:
+    """A column close to a forward argument (``atention_mask``) is not dropped as unused
+    (the model would train without its mask, silently): it is refused, naming both."""
+    ds = hf_data.dataset("classify").rename_column("attention_mask", "atention_mask")
+    with pytest.raises(ValueError, match=r"^x: got the column 'atention_mask'.*did you mean "
+                                         r"'attention_mask'"):
+        compiled("classify").fit(ds, batch_size=BATCH, verbose=0, devices=["cpu"],
+                                 collate_fn=hf_data.collator("classify"))

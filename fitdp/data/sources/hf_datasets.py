@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fitdp.checks import FitdpWarning, fail
+from fitdp.checks import FitdpWarning, closest, fail
 
 # Label columns a collator renames to ``labels`` (transformers' default_data_collator), kept
 # as Trainer keeps them (``_set_signature_columns_if_needed``).
@@ -53,11 +53,28 @@ def without_unused(dataset: Any, keep: frozenset[str] | None, name: str,
     columns = dataset.column_names
     if columns is None:
         return dataset, _DropKeys(collate_fn, keep, name)
-    unused = [c for c in columns if c not in keep]
+    unused = _unused(columns, keep, name)
     if unused:
         _note(name, unused)
         dataset = dataset.remove_columns(unused)
     return dataset, collate_fn
+
+
+def _unused(columns: Sequence[str], keep: frozenset[str], name: str) -> list[str]:
+    """The columns no forward argument is named like.
+
+    Raises:
+        ValueError: a column close to an argument (``atention_mask``): dropped, the model
+            would train without it, silently.
+    """
+    unused = [c for c in columns if c not in keep]
+    for column in unused:
+        close = closest(column, keep)
+        if close is not None:
+            fail(name, f"the column {column!r}", f"columns named as the model's forward "
+                 f"arguments ({', '.join(sorted(keep))})", f"did you mean {close!r}? "
+                 f"dataset.rename_column({column!r}, {close!r})", described=True)
+    return unused
 
 
 def _note(name: str, unused: Sequence[str]) -> None:
@@ -80,7 +97,7 @@ class _DropKeys:
         if rows and isinstance(rows[0], Mapping):
             if not self.noted:
                 self.noted = True
-                unused = [k for k in rows[0] if k not in self.keep]
+                unused = _unused(list(rows[0]), self.keep, self.name)
                 if unused:
                     _note(self.name, unused)
             rows = [{k: v for k, v in r.items() if k in self.keep} for r in rows]
