@@ -40,37 +40,42 @@ def items(batch: dict[str, torch.Tensor], task: str) -> int:
     return int((labels != -100).sum()) if hf_data.LOSS_ITEMS[task] else len(labels)
 
 
-def mean_loss(net, task: str, seed: int) -> float:
+def mean_loss(net, task: str, seed: int, batch_size: int = BATCH) -> float:
     """The model's loss over the collated batches (each weighed by its items)."""
     torch.manual_seed(seed)
     data, collate = rows(task), hf_data.collator(task)
     total = count = 0.0
     with torch.no_grad():
-        for start in range(0, len(data), BATCH):
-            batch = collate(data[start:start + BATCH])
+        for start in range(0, len(data), batch_size):
+            batch = collate(data[start:start + batch_size])
             n = items(batch, task)
             total, count = total + float(net(**batch).loss) * n, count + n
     return total / count
 
 
-def hand_loop(task: str) -> tuple[torch.nn.Module, list[float], float, torch.Tensor]:
-    """One device: the rows in order, collated per batch (the collator's draws from torch's
-    generator seeded as ``fit(seed=SEED)`` seeds it), SGD on the model's own loss."""
+def hand_loop(task: str, batch_size: int = BATCH, per_step: int = 1
+              ) -> tuple[torch.nn.Module, list[float], float, torch.Tensor | None]:
+    """One device: the rows in order, collated per batch of ``batch_size`` (the collator's
+    draws from torch's generator seeded as ``fit(seed=SEED)`` seeds it), SGD on the model's
+    own loss over ``per_step`` batches at a time (each weighed by its items: the batches of
+    ``per_step`` torchrun ranks), then evaluate and the classifier's predicted logits."""
     net = hf_data.model(task)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     data, collate = rows(task), hf_data.collator(task)
     torch.manual_seed(SEED)
+    batches = [collate(data[s:s + batch_size]) for s in range(0, len(data), batch_size)]
     total = count = 0.0
-    for start in range(0, len(data), BATCH):
-        batch = collate(data[start:start + BATCH])
+    for start in range(0, len(batches), per_step):
+        group = batches[start:start + per_step]
+        counts = [items(b, task) for b in group]
         opt.zero_grad()
-        loss = net(**batch).loss
+        losses = [net(**b).loss for b in group]
+        loss = sum(v * n for v, n in zip(losses, counts)) / sum(counts)
         loss.backward()
         opt.step()
-        n = items(batch, task)
-        total, count = total + loss.item() * n, count + n
+        total, count = total + loss.item() * sum(counts), count + sum(counts)
     net.eval()
-    evaluated = mean_loss(net, task, seed=1)
+    evaluated = mean_loss(net, task, seed=1, batch_size=batch_size)
     torch.manual_seed(2)
     with torch.no_grad():
         logits = torch.cat([net(**collate(data[s:s + BATCH])).logits
