@@ -354,6 +354,12 @@ class DataParallelExecutorManager:
         ex = next((e for e in self.curr_execgrp.executors if e.valid > 0), None)
         return 0 if ex is None else ex.output_axes(ex.outputs)
 
+    def output_type(self) -> type | None:
+        """The class of the current batch's outputs when the module returned a dict (a
+        ``ModelOutput``: ``outputs`` holds its per-row fields as a plain dict), else None."""
+        ex = next((e for e in self.curr_execgrp.executors if e.valid > 0), None)
+        return None if ex is None or isinstance(ex.outputs, torch.Tensor) else ex.output_type
+
     def loss_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of per-row losses, rows) since ``reset_loss``, on device 0 (no host sync)."""
         sums, dev = self.loss_sums(), self.devices[0]
@@ -405,7 +411,9 @@ class DataParallelExecutorManager:
     def bind_step(self, is_train: bool, *, optimizer: torch.optim.Optimizer | None = None,
                   scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
                   scale: Scale | None = None, metric: Any = None, named: bool = False,
-                  micro_batch_size: int | None = None) -> Step | ReproducibleStep:
+                  micro_batch_size: int | None = None, track_norm: bool = False,
+                  inspect: Callable[[torch.optim.Optimizer], None] | None = None
+                  ) -> Step | ReproducibleStep:
         """The step for a call's batches, from what the call fixes: ``step(batch,
         zero_grad=, step=, total_rows=)`` trains (or, not ``is_train``, evaluates) a batch;
         ``step.step_now()`` takes the optimizer step alone. The caller holds its Ctrl-C
@@ -423,6 +431,10 @@ class DataParallelExecutorManager:
                 profiler's trace; without it the step runs no range code at all.
             micro_batch_size: the step of ``fit(reproducible=True)`` instead
                 (``fitdp.executor.reproducible``), in micro-batches of this many rows.
+            track_norm: every optimizer step takes the gradients' global norm before
+                clipping, on the device (the update's ``state.grad_norm``).
+            inspect: called with the optimizer after the reduce and the unscale, before
+                clipping and the step (``on_before_optimizer_step``).
 
         Raises:
             ValueError: ``micro_batch_size`` with an engine that shards the weights (FSDP2).
@@ -430,22 +442,27 @@ class DataParallelExecutorManager:
         if micro_batch_size is not None:
             return ReproducibleStep(self, is_train, micro_batch_size, optimizer=optimizer,
                                     scaler=scaler, clip_norm=clip_norm, scale=scale,
-                                    metric=metric)
+                                    metric=metric, track_norm=track_norm, inspect=inspect)
         return self._step(is_train, optimizer=optimizer, scaler=scaler, clip_norm=clip_norm,
-                          scale=scale, metric=metric, named=named)
+                          scale=scale, metric=metric, named=named, track_norm=track_norm,
+                          inspect=inspect)
 
     def _step(self, is_train: bool, *, optimizer: torch.optim.Optimizer | None = None,
               scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
-              scale: Scale | None = None, metric: Any = None, named: bool = False) -> Step:
+              scale: Scale | None = None, metric: Any = None, named: bool = False,
+              track_norm: bool = False,
+              inspect: Callable[[torch.optim.Optimizer], None] | None = None) -> Step:
         """The ordinary step (``bind_step``'s arguments)."""
-        update = self._update(optimizer, scaler, clip_norm, named) if is_train else None
+        update = self._update(optimizer, scaler, clip_norm, named, track_norm, inspect) \
+            if is_train else None
         return Step(self, is_train, update, scale, metric, named, self.balancing)
 
     def _update(self, optimizer: torch.optim.Optimizer | None,
                 scaler: torch.amp.GradScaler | None, clip_norm: float | None,
-                named: bool = False) -> Update:
+                named: bool = False, track_norm: bool = False,
+                inspect: Callable[[torch.optim.Optimizer], None] | None = None) -> Update:
         """The update for these arguments, made once and kept (its views of the buckets)."""
-        key = (optimizer, scaler, clip_norm, named)
+        key = (optimizer, scaler, clip_norm, named, track_norm, inspect)
         update = self._updates.get(key)
         if update is None or not update.fits(optimizer):
             if len(self._updates) >= 16:  # calls with new optimizers: keep a few
@@ -453,7 +470,8 @@ class DataParallelExecutorManager:
             kind = NamedUpdate if named else Update
             update = self._updates[key] = kind(
                 self.flat, self.master_parameters(), optimizer, scaler=scaler,
-                clip_norm=clip_norm, cross_rank=self.cross_rank, before_step=self.before_step)
+                clip_norm=clip_norm, cross_rank=self.cross_rank, before_step=self.before_step,
+                track_norm=track_norm, inspect=inspect)
         return update
 
     def manual_update(self, optimizer: torch.optim.Optimizer, *,

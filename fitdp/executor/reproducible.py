@@ -236,7 +236,8 @@ class ReproducibleStep:
     def __init__(self, mgr: Any, is_train: bool, micro_batch_size: int, *,
                  optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
-                 scale: Scale | None = None, metric: Any = None) -> None:
+                 scale: Scale | None = None, metric: Any = None, track_norm: bool = False,
+                 inspect: Callable[[torch.optim.Optimizer], None] | None = None) -> None:
         if mgr.engine.shards_weights:
             raise ValueError("fit(reproducible=True): got strategy='fsdp'; expected DDP or "
                              "fitdp's own reduction (FSDP2 reduce-scatters in backward, in "
@@ -252,8 +253,8 @@ class ReproducibleStep:
         # Nothing left to reduce for the update (no cross-rank sum): the canonical sum is
         # device 0's gradient, the ranks' joined already.
         self.update = Update(mgr.flat, mgr.master_parameters(), optimizer, scaler=scaler,
-                             clip_norm=clip_norm,
-                             before_step=mgr.before_step) if is_train else None
+                             clip_norm=clip_norm, before_step=mgr.before_step,
+                             track_norm=track_norm, inspect=inspect) if is_train else None
         self.computes = [_Recorded(mgr.compute) for _ in mgr.devices]
         self.samples = 0  # rows run so far (a call's throughput reads it)
         self.draws: bool | None = None  # whether forward draws random numbers (first batch)

@@ -35,6 +35,27 @@ _NULL = contextlib.nullcontext()  # reusable: entering it has no state
 _GRAD = operator.attrgetter("grad")  # a parameter's gradient (C: no Python frame per read)
 
 
+class StepState:
+    """What the last optimizer step saw, read-only, on the device: nothing here syncs with
+    the host; whoever reads a value as a number (``float(state.grad_norm)``) pays that sync,
+    at a log point (``fitdp.callbacks.GradNormLogger``).
+
+    Attributes:
+        grad_norm: the global L2 norm of the reduced, unscaled gradients before clipping (a
+            0-d tensor on device 0), or None unless the step was bound to track it or clips.
+        skipped: a 16-mixed step skipped for an inf or NaN gradient (a 0-d bool tensor), or
+            None without a ``GradScaler``.
+        lr: the first parameter group's learning rate the step used, or None before a step.
+        steps: optimizer steps taken by this update.
+    """
+
+    def __init__(self) -> None:
+        self.grad_norm: torch.Tensor | None = None
+        self.skipped: torch.Tensor | None = None
+        self.lr: float | None = None
+        self.steps = 0
+
+
 class Update:
     """Zero, reduce, step and broadcast, bound once per call (see the module docstring).
 
@@ -63,8 +84,14 @@ class Update:
                  optimizer: torch.optim.Optimizer | None, *,
                  scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
                  cross_rank: Callable[[], None] | None = None,
-                 before_step: list[Callable[[], None]] | None = None) -> None:
+                 before_step: list[Callable[[], None]] | None = None,
+                 track_norm: bool = False,
+                 inspect: Callable[[torch.optim.Optimizer], None] | None = None) -> None:
         self.flat = flat
+        # What the step saw (``StepState``); the norm is taken when asked for or clipping.
+        self.state = StepState()
+        self.track_norm = track_norm
+        self.inspect = inspect
         self.masters = list(masters)
         self.optimizer, self.scaler, self.clip_norm = optimizer, scaler, clip_norm
         self.cross_rank = cross_rank
@@ -121,10 +148,20 @@ class Update:
         optimizer, scaler = self.optimizer, self.scaler
         if optimizer is None:
             return  # an update that only zeroes
+        state = self.state
         if scaler is not None:
             scaler.unscale_(optimizer)
-        if self.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.clipped, self.clip_norm)
+            found = scaler._found_inf_per_device(optimizer)  # noqa: SLF001 (device tensors)
+            state.skipped = sum(found.values()) > 0 if found else None  # type: ignore[assignment]
+        if self.inspect is not None:  # on_before_optimizer_step: reduced and unscaled
+            self.inspect(optimizer)
+        if self.clip_norm is not None:  # its total is the norm before clipping
+            state.grad_norm = torch.nn.utils.clip_grad_norm_(self.clipped, self.clip_norm)
+        elif self.track_norm:
+            state.grad_norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in self.clipped if p.grad is not None])
+        state.lr = optimizer.param_groups[0]["lr"]
+        state.steps += 1
         with self.step_range:  # the executor's one call of the optimizer's step
             if scaler is None:
                 optimizer.step()  # (looked up: an LR scheduler made later wraps it)

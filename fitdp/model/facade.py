@@ -25,10 +25,11 @@ from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.metrics import MetricsArg
 from fitdp.compiled.optimizers import OptimizerArg
 from fitdp.compiled.setup import CompileArgs, Compiled
-from fitdp.data.sequence import PAD_VALUE, check_pad_args
+from fitdp.data.sequence import check_pad_args
 from fitdp.executor.checks import check_bucket_module
 from fitdp.executor.devices import DevicesArg
 from fitdp.executor.engines import Strategy
+from fitdp.executor.update import StepState
 from fitdp.model.extras import ModelExtras, keras_logs
 from fitdp.model.lr_finder import LRFinding
 from fitdp.model.saving import ModelIO
@@ -108,6 +109,16 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         """Whether the replicas in use shard the weights across ranks (``strategy="fsdp"``):
         saving then gathers them, a collective every rank must join."""
         return self._replicas is not None and self._replicas.shards_weights
+
+    @property
+    def step_state(self) -> StepState | None:
+        """During ``fit``, what its last optimizer step saw, read-only and on the device
+        (``grad_norm`` before clipping when a callback logs it or the fit clips,
+        ``skipped`` for an inf gradient under 16-mixed, ``lr``, ``steps``); None outside
+        ``fit``. Reading a tensor of it as a number syncs with the device: do it at log
+        points (``Callback.params["log_every"]``)."""
+        session = self._session
+        return session.step_state if session is not None else None
 
     @property
     def lr_scheduler(self) -> Any:
@@ -273,12 +284,14 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
     def predict(self, x: Any = None, batch_size: int = 32, verbose: int | str = 0,
                 steps: int | None = None, callbacks: Sequence[Callback] | None = None, *,
                 devices: DevicesArg = "auto", work_load_list: Sequence[float] | str | None = None,
-                pad_value: float = PAD_VALUE, ragged: bool = False,
+                pad_value: float | None = None, ragged: bool = False,
                 collate_fn: Callable[[list[Any]], Any] | None = None, **legacy: Any) -> Any:
         """Outputs for every sample, one row per input sample, in input order, on the CPU
         (under torch.distributed: all rows, on every rank). Needs no compile. Outputs of
         several lengths (a per-token tagger over buckets) are padded at their end with
-        ``pad_value`` to the longest; ``ragged=True`` returns a list of per-sample outputs.
+        ``pad_value`` to the longest (None: 0.0, or -100 for a transformers ``ModelOutput``,
+        as Trainer pads predictions); ``ragged=True`` returns a list of per-sample outputs.
+        A module's ``ModelOutput`` comes back as its class, the per-row fields joined.
         ``collate_fn`` as in ``fit``."""
         check_pad_args(pad_value, ragged)
         plan = plan_call(self, legacy_data(x, legacy, "predict"), None, None,
