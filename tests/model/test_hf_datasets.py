@@ -272,3 +272,14 @@ def test_a_misspelt_column_is_named_not_dropped() -> None:
                                          r"'attention_mask'"):
         compiled("classify").fit(ds, batch_size=BATCH, verbose=0, devices=["cpu"],
                                  collate_fn=hf_data.collator("classify"))
+
+
+def test_a_bucket_iterator_takes_a_datasets_columns() -> None:
+    """Length grouping goes through the bucketing: a BucketIterator over a dataset's columns
+    (``datasets`` Column objects, not lists) batches as over the same lists."""
+    ds = hf_data.dataset("tag")
+    a = fitdp.BucketIterator(ds["input_ids"], ds["labels"], batch_size=4, seed=0)
+    b = fitdp.BucketIterator(list(ds["input_ids"]), list(ds["labels"]), batch_size=4, seed=0)
+    assert a.buckets == b.buckets and a.per_token_labels
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.data, y.data) and torch.equal(x.label, y.label)
