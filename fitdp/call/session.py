@@ -486,6 +486,9 @@ class Session:
         several = len(self.mgr.devices) > 1 or self.plan.ranks.enabled
         if custom_rows is not None and bound.is_train and several and batch.label is not None:
             custom_rows(batch.label)
+        forward = self.plan.forward
+        if forward is not None and self.custom is None:
+            forward.check_keys(batch.data, compiled.forward_kwargs if compiled else None)
         if compiled is not None and batch.label is not None and self.custom is None:
             compiled.objective.check_targets(batch.label)
             if batch.sample_weight is not None and not compiled.objective.supports_sample_weight:
