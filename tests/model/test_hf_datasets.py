@@ -187,15 +187,15 @@ def test_mlm_masks_are_the_same_on_any_devices() -> None:
 
 
 def test_a_mid_epoch_checkpoint_resumes_bitwise(tmp_path) -> None:
-    """An MLM fit from a dataset (random masks), stopped mid-epoch and resumed from its
-    checkpoint, ends with the uninterrupted run's weights and History, bit for bit: the
-    batches trained before the stop are collated again from the epoch's saved generator
-    state, and the next ones draw from the state the checkpoint saved. (Unshuffled: the
-    shuffled order's resume is the sampler's, pinned in tests/data/test_loader_resume.py.)"""
+    """An MLM fit from a dataset (random masks, shuffled), stopped in epoch 1 (its 4th batch
+    of 3 per epoch) and resumed from its checkpoint, ends with the uninterrupted run's
+    weights and History, bit for bit: the batches trained before the stop are collated
+    again from the epoch's saved generator state, the next ones draw from the state the
+    checkpoint saved, and the sampler gets epoch 1's order back."""
     def run(callbacks, **kw):
         model = compiled("mlm")
         history = model.fit(hf_data.dataset("mlm"), batch_size=BATCH, epochs=2, seed=SEED,
-                            shuffle=False, verbose=0, devices=["cpu", "cpu"], callbacks=callbacks,
+                            shuffle=True, verbose=0, devices=["cpu", "cpu"], callbacks=callbacks,
                             collate_fn=hf_data.collator("mlm"), **kw).history
         return model, history
 
