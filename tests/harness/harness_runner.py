@@ -146,7 +146,12 @@ def fit_data(run: Run, n: int = ROWS) -> dict[str, Any]:
 
 
 def validation(run: Run) -> Any:
+    """Validation rows in the training data's form (variable lengths: a loader that cuts
+    each batch's padding, as fitdp checks trailing shapes against the training batches)."""
     tokens, labels = rows(VAL_ROWS, seed=2)
+    if run.varlen:
+        dataset = DictRows(tokens, labels) if run.own_loss else TensorDataset(tokens, labels)
+        return DataLoader(dataset, batch_size=BATCH, collate_fn=trim)
     if run.own_loss:
         return {"tokens": tokens, "labels": labels}
     return ({"tokens": tokens}, labels) if run.kind == "dict" else (tokens, labels)
@@ -217,7 +222,7 @@ def outcome(model: fitdp.Model, history: Any, run: Run) -> dict[str, Any]:
            "step": model.global_step, "history": dict(history.history)}
     if run.ranks == 1:
         data = validation(run)
-        x, y = (data, None) if isinstance(data, dict) else data
+        x, y = data if isinstance(data, tuple) else (data, None)
         got["evaluate"] = model.evaluate(x, y, batch_size=BATCH, devices=["cpu"], verbose=0)
     return got
 
