@@ -18,7 +18,7 @@ import fitdp
 from fitdp.callbacks import EMA, SWA, BackupAndRestore, Callback, ModelCheckpoint
 from fitdp.saving.seal import CheckpointError
 
-VOCAB, WIDTH, LONGEST = 12, 8, 7
+VOCAB, LONGEST = 12, 7
 SEED = 3
 
 
@@ -29,15 +29,15 @@ class Crash(Exception):
 class Block(nn.Module):
     """The drawn source of randomness, in a block activation checkpointing may wrap."""
 
-    def __init__(self, randomness: str) -> None:
+    def __init__(self, randomness: str, width: int) -> None:
         super().__init__()
         self.randomness = randomness
-        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.linear = nn.Linear(width, width)
         self.drop = nn.Dropout(0.3) if randomness == "dropout" else None
-        self.norm = nn.BatchNorm1d(WIDTH) if randomness == "batchnorm" else None
+        self.norm = nn.BatchNorm1d(width) if randomness == "batchnorm" else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.linear(h))  # (rows, tokens, WIDTH): draws rows * tokens * WIDTH
+        h = torch.tanh(self.linear(h))  # (rows, tokens, width): draws rows * tokens * width
         if self.drop is not None:
             h = self.drop(h)
         if self.randomness == "functional":
@@ -48,15 +48,15 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Embedding, the block, mean over tokens, a head: about 200 parameters. With
+    """Embedding, the block, mean over tokens, a head: about 200 parameters at width 8. With
     ``own_loss`` it takes the labels and returns its loss (Hugging Face's habit)."""
 
-    def __init__(self, randomness: str, own_loss: bool) -> None:
+    def __init__(self, randomness: str, own_loss: bool, width: int) -> None:
         super().__init__()
         self.own_loss = own_loss
-        self.emb = nn.Embedding(VOCAB, WIDTH, padding_idx=0)
-        self.block = Block(randomness)
-        self.head = nn.Linear(WIDTH, 3)
+        self.emb = nn.Embedding(VOCAB, width, padding_idx=0)
+        self.block = Block(randomness, width)
+        self.head = nn.Linear(width, 3)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         logits = self.head(self.block(self.emb(tokens)).mean(1))
@@ -159,7 +159,7 @@ def validation(run: Run) -> Any:
 
 def make_model(run: Run, checkpointing: bool) -> fitdp.Model:
     torch.manual_seed(0)
-    model = fitdp.Model(Net(run.randomness, run.own_loss))
+    model = fitdp.Model(Net(run.randomness, run.own_loss, run.width))
     compile_kw: dict[str, Any] = {"grad_accum_steps": run.accum, "metrics": ["accuracy"]}
     if checkpointing:
         compile_kw["activation_checkpointing"] = [Block]

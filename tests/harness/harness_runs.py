@@ -70,6 +70,7 @@ class Run:
     epochs: int = 2
     validation: bool = False
     stop: Stop | None = None
+    width: int = 8  # the model's width (wider: longer kernels, more overlap between threads)
 
     @property
     def batch(self) -> int:
@@ -116,7 +117,7 @@ def stops(draw: st.DrawFn, run: Run) -> Stop | None:
         how = "checkpoint"  # a backup of every N steps may be mid-epoch
     if run.kind == "buckets":
         # A BucketIterator resumed from a checkpoint of its epoch's last batch trains that
-        # epoch again (found by this harness; pinned by NEW_BUCKETS_LAST_BATCH, not drawn)
+        # epoch again (found by this harness; pinned in test_harness.py, not drawn)
         how = "checkpoint"
         if at == "batch" and step % steps_per_epoch == 0:
             at = "epoch_end"
@@ -170,7 +171,7 @@ def runs(draw: st.DrawFn, ranks: int = 1) -> Run:
         reproducible=reproducible,
         epochs=draw(st.integers(1, 3)),
         # validation batches of other lengths than the first training batch's are refused
-        # (found by this harness; pinned by NEW_VARLEN_VALIDATION, not drawn)
+        # (found by this harness; pinned in test_harness.py, not drawn)
         validation=not varlen and draw(st.booleans()),
     )
     return replace(run, stop=draw(stops(run)))

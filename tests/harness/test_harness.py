@@ -13,7 +13,7 @@ import torch
 from harness_compare import assert_refusal_allowed, judge
 from harness_runner import interrupted, uninterrupted
 from harness_runs import Run, Stop, runs
-from hypothesis import example, given
+from hypothesis import given
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -36,31 +36,48 @@ def check(run: Run) -> None:
     judge(run, drawn)
 
 
-# Issue 37's silent wrong numbers that one process shows, pinned so every profile runs them.
-ITEM2_DATASET = Run(kind="dataset", epochs=2, stop=Stop(step=6))  # epoch 1, batch 2
-ITEM2_SAMPLER = Run(kind="loader_sampler", epochs=2, stop=Stop(step=5))
-ITEM3_STATEFUL_GENERATOR = Run(kind="stateful_generator", epochs=2, stop=Stop(step=2))
-ITEM4_SHORT_DATA = Run(kind="tensors", epochs=2, stop=Stop(step=2, short=True))
-ITEM5_FUNCTIONAL_DROPOUT = Run(kind="tensors", devices=2, randomness="functional",
-                               checkpointing=True, epochs=2)
+# Pinned runs, each named after what it pins, so every profile runs them (parametrized rather
+# than hypothesis @example: among explicit examples hypothesis reports one failure per
+# assertion line, and these all fail in the same comparison). Issue 37's silent wrong numbers
+# that one process shows:
+PINNED = {
+    # item 2: a shuffled map-style Dataset resumed mid-epoch in epoch 1 replays epoch 0's order
+    "item2_shuffled_dataset_resumed_in_epoch_1": Run(kind="dataset", stop=Stop(step=6)),
+    # item 2: a DataLoader whose sampler has set_epoch (DistributedSampler), the same
+    "item2_set_epoch_sampler_resumed_in_epoch_1": Run(kind="loader_sampler", stop=Stop(step=5)),
+    # item 3: a StatefulDataLoader with its own generator= resumed in epoch 0 of 2
+    "item3_stateful_loader_own_generator_resumed": Run(kind="stateful_generator",
+                                                        stop=Stop(step=2)),
+    # item 4: a mid-epoch checkpoint resumed onto data too short for its position
+    "item4_resume_onto_too_short_data_is_refused": Run(kind="tensors",
+                                                        stop=Stop(step=2, short=True)),
+    # item 5: activation checkpointing of a block drawing through F.dropout on CPU replicas
+    # (a race between the replicas' recomputes: wider and on 3 replicas it shows in about
+    # half the runs on 2 cores, so the test runs it RACE_TRIES times)
+    "item5_checkpointed_functional_dropout_on_replicas": Run(
+        kind="tensors", devices=3, randomness="functional", checkpointing=True, width=64),
+    # Found by this harness beyond issue 37 (reported, not fixed here; fail on today's main):
+    # a BucketIterator resumed from the checkpoint of an epoch's last batch (taken before the
+    # epoch's end) trains that epoch again (global_step 12 against 8)
+    "new_bucket_iterator_resumed_from_an_epochs_last_batch": Run(kind="buckets",
+                                                                  stop=Stop(step=4)),
+    # a DataLoader padding each batch to its longest sequence (as Hugging Face's
+    # DataCollatorWithPadding) is refused as validation_data when its first batch is longer
+    # than the first training batch ("expected inputs shaped like the training inputs")
+    "new_per_batch_padded_validation_loader": Run(kind="loader_generator", varlen=True,
+                                                  epochs=1, validation=True),
+}
 
-# Found by this harness beyond issue 37 (reported, not fixed here; they fail on today's main):
-# a BucketIterator resumed from the checkpoint of an epoch's last batch (before the epoch's
-# end) trains that epoch again (global_step 12 against 8);
-NEW_BUCKETS_LAST_BATCH = Run(kind="buckets", epochs=2, stop=Stop(step=4))
-# a DataLoader that pads each batch to its longest sequence (as Hugging Face's
-# DataCollatorWithPadding) is refused as validation_data when its first batch is longer
-# than the first training batch ("expected inputs shaped like the training inputs").
-NEW_VARLEN_VALIDATION = Run(kind="loader_generator", varlen=True, epochs=1, validation=True)
+
+RACE_TRIES = {"item5_checkpointed_functional_dropout_on_replicas": 12}
+
+
+@pytest.mark.parametrize("name", list(PINNED))
+def test_a_pinned_run_keeps_what_the_docs_promise(name: str) -> None:
+    for _ in range(RACE_TRIES.get(name, 1)):
+        check(PINNED[name])
 
 
 @given(run=runs())
-@example(run=ITEM2_DATASET)
-@example(run=ITEM2_SAMPLER)
-@example(run=ITEM3_STATEFUL_GENERATOR)
-@example(run=ITEM4_SHORT_DATA)
-@example(run=ITEM5_FUNCTIONAL_DROPOUT)
-@example(run=NEW_BUCKETS_LAST_BATCH)
-@example(run=NEW_VARLEN_VALIDATION)
 def test_a_drawn_run_keeps_what_the_docs_promise(run: Run) -> None:
     check(run)
