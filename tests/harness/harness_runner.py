@@ -271,7 +271,7 @@ def resume_part(run: Run, folder: str) -> dict[str, Any]:
     if stop.how == "backup":
         return outcome(model, fit(model, again, [_saver(run, folder), *averaging(run)]), again)
     if stop.at == "epoch_end":  # ModelCheckpoint numbers epochs from 1, as Keras does
-        name = f"epoch-{stop.step // -(-run.steps_per_epoch() // run.accum):03d}.ckpt"
+        name = f"epoch-{stop.step // run.steps_per_epoch:03d}.ckpt"
     else:
         name = f"step-{stop.step:03d}.ckpt"
     path = os.path.join(folder, name)

@@ -21,6 +21,9 @@ KINDS = (*RESUMABLE_KINDS, "generator")
 # Kinds whose batches may have another length per batch (padded to each batch's longest):
 # the model then draws another amount of random numbers per batch (and per rank).
 VARLEN_KINDS = ("loader", "loader_generator", "stateful", "buckets")
+# Kinds whose resume onto shorter data the harness draws (a StatefulDataLoader's is issue 37
+# item 11, a separate refusal).
+SHORTENABLE = ("tensors", "dict", "dataset", "loader")
 RANDOMNESS = ("none", "dropout", "functional", "batchnorm")
 CALLBACKS = ("none", "ema", "swa")
 
@@ -77,8 +80,12 @@ class Run:
         """This process's batch size (under torchrun the global batch is split)."""
         return BATCH // self.ranks
 
+    @property
     def steps_per_epoch(self) -> int:
-        return -(-ROWS // BATCH)  # the same global batches on any world size
+        """Optimizer steps per epoch: the global batches (the same on any world size), by
+        ``accum``."""
+        batches = -(-ROWS // BATCH)
+        return -(-batches // self.accum)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -102,7 +109,7 @@ def _loads(devices: int) -> st.SearchStrategy[tuple[int, ...] | None]:
 @st.composite
 def stops(draw: st.DrawFn, run: Run) -> Stop | None:
     """An interruption of ``run`` (or none), at any optimizer step of any epoch."""
-    steps_per_epoch = -(-run.steps_per_epoch() // run.accum)
+    steps_per_epoch = run.steps_per_epoch
     total = steps_per_epoch * run.epochs
     if not draw(st.booleans()):
         return None
@@ -129,17 +136,12 @@ def stops(draw: st.DrawFn, run: Run) -> Stop | None:
         else:
             devices = draw(st.integers(1, 3))
             loads = draw(_loads(devices))
-    mid_epoch = at == "batch" and step % steps_per_epoch != 0
-    saved = step - step % every if how == "backup" else step
-    short = (mid_epoch and how == "checkpoint" and run.kind in SHORTENABLE
-             and (saved % steps_per_epoch) * run.accum >= 2 and draw(st.booleans()))
+    # too short: the resume gets one batch, the checkpoint is 2 batches or more into its epoch
+    short = (at == "batch" and how == "checkpoint" and run.kind in SHORTENABLE
+             and (step % steps_per_epoch) * run.accum >= 2 and draw(st.booleans()))
     return Stop(step=step, at=at, how=how, every=every, devices=devices, loads=loads,
                 ranks=ranks, short=short)
 
-
-# Kinds whose resume onto shorter data the harness draws (a StatefulDataLoader's is issue 37
-# item 11, a separate refusal).
-SHORTENABLE = ("tensors", "dict", "dataset", "loader")
 
 
 @st.composite
