@@ -1,0 +1,124 @@
+"""Which drawn run promises what: the one place that reads the docs' promises.
+
+A drawn run D is compared with up to two uninterrupted references, both without activation
+checkpointing: U, on D's first placement (devices, work loads, ranks), and R, on one device
+in one process over the same global batches. Each rule below quotes the sentence of docs/ it
+stands on; where the docs promise nothing (dropout masks on other replica layouts, say), no
+comparison is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness_runs import Run
+
+
+@dataclass(frozen=True)
+class Promise:
+    """Bitwise (``exact``) or within ``rtol``/``atol``; ``why`` quotes the docs."""
+
+    exact: bool
+    why: str
+    rtol: float = 0.0
+    atol: float = 0.0
+
+
+# devices.md, "The update does not depend on the devices": "the update equals the one a single
+# device makes on the whole batch, whatever the device count and the work loads, up to float
+# rounding" (its example checks atol=1e-6; the suite's equivalence tests rtol=1e-5 as well).
+ROUNDING = {"rtol": 1e-5, "atol": 1e-6}
+
+REPRODUCIBLE = Promise(True, "reproducible.md: 'They are bitwise equal (torch.equal) for any "
+                       "devices list and any work_load_list; any world size under torchrun with "
+                       "the same global batch; a resume on another device list, from a "
+                       "checkpoint taken right after an optimizer step; with grad_accum_steps, "
+                       "grad_clip_norm, dropout and shuffling.'")
+SAME_PLACEMENT = Promise(True, "checkpoints.md: 'The final weights equal those of an "
+                         "uninterrupted run bit for bit when the resumed run uses the same "
+                         "devices and work_load_list ... it runs on the CPU'; devices.md: 'With "
+                         "a seed, a run gives the same weights bit for bit on any device list, "
+                         "CPU replicas with Dropout included, and so does a resumed run'; "
+                         "distributed.md: 'Resume with the same world size and devices for a "
+                         "bitwise-exact continuation.'")
+OTHER_DEVICES = Promise(False, "checkpoints.md: 'resuming on other devices works and ends "
+                        "close, not bitwise equal' (close: float rounding, devices.md)",
+                        **ROUNDING)
+ONE_DEVICE = Promise(False, "devices.md: 'the update equals the one a single device makes on "
+                     "the whole batch, whatever the device count and the work loads, up to "
+                     "float rounding'; distributed.md: 'For mean-reduced losses the update "
+                     "equals the one a single device would make on that whole global batch.'",
+                     **ROUNDING)
+CHECKPOINTING = Promise(False, "precision.md (activation checkpointing): 'Training gives the "
+                        "same weights as without (the tests compare both, on one and two CPU "
+                        "replicas)' (its example: atol=1e-6)", **ROUNDING)
+REFUSAL = ("checkpoints.md: 'Every entry is checked before any is loaded (... the run "
+           "position, the data position against this fit's data ...). A checkpoint of another "
+           "model or of other data is a CheckpointError ... and either changes nothing: "
+           "weights, optimizer state and global_step stay as they were.'")
+
+
+def _weaker(a: Promise, b: Promise) -> Promise:
+    """Both promises hold: the looser one is what can be checked."""
+    if a.exact and b.exact:
+        return a
+    loose = [p for p in (a, b) if not p.exact]
+    return Promise(False, " + ".join(p.why for p in (a, b)),
+                   max(p.rtol for p in loose), max(p.atol for p in loose))
+
+
+def _draws_or_normalises(run: Run) -> bool:
+    """Dropout masks and BatchNorm's per-slice statistics depend on the replica layout
+    (devices.md: 'BatchNorm normalises each slice with that slice's statistics ... the update
+    differs from a single device's'); only the reproducible mode removes that."""
+    return run.randomness != "none"
+
+
+def _same_batches_as_one_process(run: Run) -> bool:
+    """Under torchrun, DataLoaders and BucketIterators hand each rank whole batches
+    round-robin (distributed.md): a BucketIterator of half the batch groups other rows, and
+    padding cut per batch makes other shapes, so those are not one process's batches."""
+    return run.ranks == 1 or not (run.varlen or run.kind == "buckets")
+
+
+def against_uninterrupted(run: Run) -> Promise | None:
+    """D against U (D's first placement, uninterrupted, no activation checkpointing)."""
+    if run.reproducible:
+        return REPRODUCIBLE
+    stop = run.stop
+    moved = stop is not None and (stop.devices, stop.loads, stop.ranks) != (
+        run.devices, run.loads, run.ranks)
+    if moved and (_draws_or_normalises(run) or not _same_batches_as_one_process(run)):
+        return None  # other masks, slices or batches after the move: nothing is promised
+    promise = OTHER_DEVICES if moved else SAME_PLACEMENT
+    return _weaker(promise, CHECKPOINTING) if run.checkpointing else promise
+
+
+def against_one_device(run: Run) -> Promise | None:
+    """U against R (one device, one process); None where U is R or nothing is promised."""
+    if (run.devices, run.ranks) == (1, 1):
+        return None
+    if run.reproducible:
+        return REPRODUCIBLE
+    if _draws_or_normalises(run) or not _same_batches_as_one_process(run):
+        return None
+    return ONE_DEVICE
+
+
+CHECKPOINTING_REFUSAL = ("precision.md: 'On several CPU replicas that generator is shared by the "
+                         "replicas' threads ... so there fit refuses, before any step, blocks "
+                         "holding a dropout layer with p > 0, naming them'; issue 37 item 5 asks "
+                         "the same of blocks that draw through a function (or exactness)")
+
+
+def may_refuse(run: Run) -> str | None:
+    """The docs' sentence when ``fit`` may refuse the drawn run before any step (a
+    ``ValueError`` naming ``activation_checkpointing``), else None."""
+    several = run.devices > 1 or (run.stop is not None and run.stop.devices > 1)
+    draws = run.randomness in ("dropout", "functional")
+    return CHECKPOINTING_REFUSAL if run.checkpointing and draws and several else None
+
+
+def refuses(run: Run) -> str | None:
+    """The docs' sentence when the drawn resume must be refused, else None."""
+    return REFUSAL if run.stop is not None and run.stop.short else None
