@@ -167,7 +167,7 @@ def device_share(job: Job, d: int) -> None:
             labels = ex.labels if job.metric_labels is None else take_rows(
                 job.metric_labels, job.slices[d], ex.axis)
             outputs = ex.outputs
-            if isinstance(outputs, dict):  # (tested here too: a tensor's walk enters no more)
+            if isinstance(outputs, dict):  # a ModelOutput (a tensor's batch calls no more)
                 outputs, labels = metric_pair(outputs, ex.inputs, labels)
             if ex.valid > 0 and labels is not None:
                 axes, weights = ex.output_axes(outputs) if ex.axis else 0, ex.weights
