@@ -96,7 +96,7 @@ def check_outputs(objective: Any, outputs: Any, batch: DataBatch, source: DataSo
         fail("y", problem, "class indices below the number of outputs",
              "check the labels, or the size of the model's last layer", described=True)
     if val is not None:
-        check_validation(val, batch, objective, outputs)
+        check_validation(val, batch, source, objective, outputs)
 
 
 def raised_in_fitdp(err: BaseException) -> bool:
@@ -110,18 +110,24 @@ def raised_in_fitdp(err: BaseException) -> bool:
         _FITDP_DIR)
 
 
-def check_validation(val: DataSource, batch: DataBatch, objective: Any, outputs: Any) -> None:
-    """Validation data like the training data (structure, dtypes, trailing shapes without
-    buckets, target range), checked before the first step."""
+def check_validation(val: DataSource, batch: DataBatch, source: DataSource, objective: Any,
+                     outputs: Any) -> None:
+    """Validation data like the training data of ``source`` (whose first batch is
+    ``batch``), checked before the first step: structure, dtypes, ranks and target range
+    always; the sizes after the rows only when both are in-memory tensors (``_fixed_shapes``):
+    a source that brings its own batches may pad each to its longest sequence, so two first
+    batches of different lengths say nothing about the data."""
     sample = first_batch(val)
     if sample is None:
         return
+    whole = _fixed_shapes(source) and _fixed_shapes(val)
     for part, ours, theirs in (("inputs", batch.data, sample.data),
                                ("targets", batch.label, sample.label)):
         if tree_structure(ours) != tree_structure(theirs) or (
-                batch.bucket_key is None and _trailing(ours) != _trailing(theirs)):
+                _form(ours, whole) != _form(theirs, whole)):
             fail("validation_data", f"{part} {_describe(theirs)}",
-                 f"{part} shaped like the training {part} {_describe(ours)}",
+                 f"{part} shaped like the training {part} {_describe(ours)}" + (
+                     "" if whole else " in rank and dtype (their lengths may differ)"),
                  "pass validation data in the same form as x and y", described=True)
     if sample.label is not None:
         try:
@@ -147,8 +153,17 @@ def first_batch(source: DataSource) -> DataBatch | None:
     return batch
 
 
-def _trailing(tree: Any) -> Any:
-    return [(tuple(t.shape[1:]), t.dtype) for t in tree_leaves(tree)]
+def _fixed_shapes(source: DataSource) -> bool:
+    """Whether every batch of ``source`` has one shape after its rows: in-memory tensors,
+    which fitdp slices into batches (their plan fixes ``rows_per_step``). A source that brings
+    its own batches (a DataLoader's ``collate_fn``, a generator, a ``BucketIterator``) may pad
+    each batch to its longest sequence, as Hugging Face's ``DataCollatorWithPadding`` does."""
+    return source.plan().rows_per_step is not None
+
+
+def _form(tree: Any, whole: bool) -> Any:
+    """Each leaf's dtype with its shape after the rows (``whole``) or its rank."""
+    return [(tuple(t.shape[1:]) if whole else t.dim(), t.dtype) for t in tree_leaves(tree)]
 
 
 def _describe(tree: Any) -> str:

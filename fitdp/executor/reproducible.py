@@ -43,6 +43,7 @@ from fitdp.data.batch import DataBatch, checked_rows, take_rows, tree_cat, tree_
 from fitdp.executor.replica import Executor
 from fitdp.executor.shared_generator import SHARED, generator
 from fitdp.executor.slicing import device_slices
+from fitdp.executor.step import metric_pair
 from fitdp.executor.update import Update
 
 # (multiplies each loss before backward: a ``GradScaler``'s ``scale``)
@@ -362,10 +363,12 @@ class ReproducibleStep:
                     share.stats.append(bn.after(d))
                 loss = compute.loss
                 share.losses.append((0.0 if loss is None else float(loss.detach()), counts[i]))
-                if self.metric is not None and ex.outputs is not None and ex.labels is not None:
-                    share.outputs.append(tree_map(lambda t: t.detach(), (
-                        ex.valid_outputs(ex.outputs), ex.valid_rows(ex.labels),
-                        None if ex.weights is None else ex.valid_rows(ex.weights))))
+                if self.metric is not None and ex.outputs is not None:
+                    outputs, labels = metric_pair(ex.outputs, ex.inputs, ex.labels)
+                    if labels is not None:
+                        share.outputs.append(tree_map(lambda t: t.detach(), (
+                            ex.valid_outputs(outputs), ex.valid_rows(labels),
+                            None if ex.weights is None else ex.valid_rows(ex.weights))))
                 if training:
                     share.stack.push(offset + i, self._grads(ex, params))
             if run.start == run.stop:

@@ -167,16 +167,34 @@ def device_share(job: Job, d: int) -> None:
             labels = ex.labels if job.metric_labels is None else take_rows(
                 job.metric_labels, job.slices[d], ex.axis)
             outputs = ex.outputs
-            if isinstance(outputs, dict) and "logits" in outputs:  # a Hugging Face model's
-                hf_labels = batch_labels(ex.inputs, labels)  # (in the batch dict, or y)
-                if isinstance(hf_labels, torch.Tensor):
-                    outputs, labels = outputs["logits"], hf_labels
+            if isinstance(outputs, dict):  # a ModelOutput (a tensor's batch calls no more)
+                outputs, labels = metric_pair(outputs, ex.inputs, labels)
             if ex.valid > 0 and labels is not None:
                 axes, weights = ex.output_axes(outputs) if ex.axis else 0, ex.weights
                 if ex.valid < ex.rows:  # padding rows stay out of the metric
                     outputs = take_rows(outputs, slice(0, ex.valid), axes)
                     labels, weights = ex.valid_rows(labels), ex.valid_rows(weights)
                 metric.update(d, outputs, labels, weights, axes)
+
+
+def metric_pair(outputs: Any, inputs: Any, labels: Any) -> tuple[Any, Any]:
+    """What a metric reads of a forward's ``outputs`` and the batch's ``labels`` (``y``): a
+    Hugging Face model's output (a dict with ``"logits"``) gives its logits, against the
+    ``"labels"`` of its batch dict ``inputs`` when there is no ``y``; any other output is read
+    as it is. The token layout of the logits is the metric's (``fitdp.compiled.token_view``).
+    Shared by the ordinary step's metric phase and ``fit(reproducible=True)``'s step.
+
+    Example:
+        >>> pair = metric_pair({"loss": torch.tensor(0.5), "logits": torch.zeros(2, 3)},
+        ...                    {"labels": torch.tensor([1, 2])}, None)
+        >>> tuple(pair[0].shape), pair[1].tolist()
+        ((2, 3), [1, 2])
+    """
+    if isinstance(outputs, dict) and "logits" in outputs:
+        hf_labels = batch_labels(inputs, labels)
+        if isinstance(hf_labels, torch.Tensor):
+            return outputs["logits"], hf_labels
+    return outputs, labels
 
 
 # -- the bound step ---------------------------------------------------------------------------

@@ -172,8 +172,6 @@ def runs(draw: st.DrawFn, ranks: int = 1) -> Run:
         accum=draw(st.sampled_from([1, 1, 2])),
         reproducible=reproducible,
         epochs=draw(st.integers(1, 3)),
-        # validation batches of other lengths than the first training batch's are refused
-        # (found by this harness; pinned in test_harness.py, not drawn)
-        validation=not varlen and draw(st.booleans()),
+        validation=draw(st.booleans()),
     )
     return replace(run, stop=draw(stops(run)))

@@ -61,11 +61,11 @@ PINNED = {
     # epoch's end) trains that epoch again (global_step 12 against 8)
     "new_bucket_iterator_resumed_from_an_epochs_last_batch": Run(kind="buckets",
                                                                   stop=Stop(step=4)),
-    # a DataLoader padding each batch to its longest sequence (as Hugging Face's
-    # DataCollatorWithPadding) is refused as validation_data when its first batch is longer
+    # (fixed) a DataLoader padding each batch to its longest sequence (as Hugging Face's
+    # DataCollatorWithPadding) was refused as validation_data when its first batch was longer
     # than the first training batch ("expected inputs shaped like the training inputs")
-    "new_per_batch_padded_validation_loader": Run(kind="loader_generator", varlen=True,
-                                                  epochs=1, validation=True),
+    "per_batch_padded_validation_loader": Run(kind="loader_generator", varlen=True,
+                                              epochs=1, validation=True),
 }
 
 

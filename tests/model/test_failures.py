@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import pytest
 import torch
@@ -132,6 +133,58 @@ def test_validation_data_is_checked_before_the_first_step():
         before = snapshot(model)
         with pytest.raises(ValueError, match=words):
             model.fit(X, Y, validation_data=val, verbose=0)
+        assert unchanged(model, before)
+
+
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(9, 4), nn.Linear(4, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens).mean(1))
+
+
+def _padded_per_batch(rows: int, first: int, seed: int,
+                      form: Any = None) -> torch.utils.data.DataLoader:
+    """Sequences of 2..10 tokens (those of the first batch at most ``first``, one of them
+    that long), each batch padded to its own longest row, as Hugging Face's
+    DataCollatorWithPadding pads (padding="longest"); ``form`` changes the padded tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 11, (rows,), generator=g)
+    lengths[:6] = lengths[:6].clamp(max=first)
+    lengths[0] = first
+    items = [(torch.randint(1, 9, (int(n),), generator=g), int(n) % 2) for n in lengths]
+
+    def pad(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = nn.utils.rnn.pad_sequence([t for t, _ in batch], batch_first=True)
+        return (tokens if form is None else form(tokens)), torch.tensor([y for _, y in batch])
+
+    return torch.utils.data.DataLoader(items, batch_size=6, collate_fn=pad)
+
+
+def test_a_validation_loader_padded_per_batch_longer_than_the_first_training_batch_is_taken():
+    """Regression: validation_data padded per batch (DataCollatorWithPadding's way) was
+    refused ("validation_data: got inputs (6, 9) ...; expected ... (6, 5)") when its first
+    batch was longer than the first training batch: only in-memory tensors fix the lengths,
+    so for other data only the ranks and dtypes can be compared; those still are."""
+    train, val = _padded_per_batch(24, 5, seed=0), _padded_per_batch(8, 9, seed=1)
+    for x in (train, torch.randint(1, 9, (24, 5))):  # a loader, and fixed in-memory tokens
+        model = fitdp.Model(_Tokens())
+        model.compile("adam", "cross_entropy", lr=0.01)
+        y = None if isinstance(x, torch.utils.data.DataLoader) else torch.arange(24) % 2
+        history = model.fit(x, y, batch_size=6, validation_data=val, verbose=0).history
+        assert model.global_step == 4
+        assert history["val_loss"][0] == pytest.approx(model.evaluate(val, verbose=0)["loss"])
+    for form, words in ((torch.Tensor.float, r"got inputs \(6, 9\) float32; expected inputs "
+                         r"shaped like the training inputs \(6, 5\) int64 in rank and dtype"),
+                        (lambda t: t[..., None], r"got inputs \(6, 9, 1\) int64")):
+        model = fitdp.Model(_Tokens())
+        model.compile("adam", "cross_entropy", lr=0.01)
+        before = snapshot(model)
+        with pytest.raises(ValueError, match="validation_data: " + words):
+            model.fit(train, validation_data=_padded_per_batch(8, 9, 1, form), verbose=0)
         assert unchanged(model, before)
 
 

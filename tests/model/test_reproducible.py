@@ -307,3 +307,56 @@ def test_an_engine_that_shards_the_weights_is_refused_and_ddp_is_told_not_to_red
     mgr.engine = type("Sharding", (LocalReduce,), {"shards_weights": True})(False)
     with pytest.raises(ValueError, match=r"reproducible=True.*FSDP2"):
         mgr.bind_step(True, optimizer=opt, micro_batch_size=4)
+
+
+def _bert(head: str, rows: int = 16, length: int = 6) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A tiny BERT built from its config (no download, no dropout) and a Hugging Face batch
+    dict of ids, mask and labels (a tagger's padded positions labelled -100)."""
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(2, length + 1, (rows,), generator=g)
+    mask = (torch.arange(length) < lengths[:, None]).long()
+    data = {"input_ids": torch.randint(1, 40, (rows, length), generator=g) * mask,
+            "attention_mask": mask}
+    if head == "token":
+        tags = torch.randint(0, 3, (rows, length), generator=g)
+        data["labels"] = tags.masked_fill(mask == 0, -100)
+    else:
+        data["labels"] = torch.randint(0, 3, (rows,), generator=g)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=24, max_position_embeddings=16, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cls = (transformers.BertForTokenClassification if head == "token" else
+           transformers.BertForSequenceClassification)
+    return cls(config), data
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("head", ["sequence", "token"])
+def test_metrics_of_hugging_face_dict_batches_are_the_ordinary_steps(head, devices):
+    """Regression: fit(reproducible=True) read the labels only from y, so with a Hugging Face
+    batch dict (labels inside it, compile(loss=None)) it never updated a metric and logged
+    accuracy 0.0. The reference is what a transformers user computes by hand from
+    ``model(**batch).logits`` and the batch's ``labels`` (Trainer's compute_metrics reads
+    the predictions against the label ids, -100 positions dropped), and the ordinary step."""
+    logged = []
+    for reproducible in (False, True):
+        module, data = _bert(head)
+        model = fitdp.Model(module)
+        model.compile("adam", loss=None, metrics=["accuracy"], lr=0.01,
+                      loss_items="tokens" if head == "token" else None)
+        history = model.fit(dict(data), batch_size=8, verbose=0, shuffle=False,
+                            devices=["cpu"] * devices, validation_data=dict(data),
+                            reproducible=reproducible,
+                            micro_batch_size=2 if reproducible else None)
+        module.eval()
+        with torch.no_grad():
+            logits = module(input_ids=data["input_ids"],
+                            attention_mask=data["attention_mask"]).logits
+        keep = data["labels"] != -100
+        by_hand = (logits.argmax(-1)[keep] == data["labels"][keep]).float().mean().item()
+        assert history.history["val_accuracy"][0] == pytest.approx(by_hand, abs=1e-6)
+        logged.append(history.history["accuracy"][0])
+    assert logged[1] == logged[0] > 0
