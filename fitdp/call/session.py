@@ -516,12 +516,13 @@ class Session:
         self.verified = True  # and one CPU row kept for summary()'s output shapes:
         self.example_inputs = tree_map(lambda t: t.to("cpu", copy=True), take_rows(
             batch.data, slice(0, 1), batch.axis))
-        if not self._checks_outputs(batch):
+        compiled = self.compiled
+        if compiled is None or not self._checks_outputs(batch):
             return  # (a custom step's outputs and targets are the step's own to check)
         outputs = self.mgr.outputs()
         if not outputs:
             return
-        check_outputs(self.compiled.objective, outputs[0], batch, self.plan.source,
+        check_outputs(compiled.objective, outputs[0], batch, self.plan.source,
                       getattr(self.plan, "val", None))
 
     def state_logs(self) -> dict[str, float]:
