@@ -16,6 +16,7 @@ from fitdp.call import replicas
 from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
 from fitdp.executor.local_reduce import LocalReduce
+from fitdp.executor.update import UpdateOptions
 
 ROOT = Path(fitdp.__file__).resolve().parent
 # The names of DDP's, FSDP2's and DTensor's types and calls, fitdp's and torch's.
@@ -139,7 +140,8 @@ def test_the_bucket_size_is_the_engines_own_not_the_process():
     assert small_mgr.flat.plan == [[0], [1, 2], [3]] and big_mgr.flat.plan == [[0, 1, 2, 3]]
     assert all(torch.equal(a, b) for a, b in zip(small_grads, big_grads))
     default_grads, default_mgr = step_grads(None)  # the manager's default engine
-    assert isinstance(default_mgr.engine, LocalReduce) and default_mgr.cross_rank is None
+    assert isinstance(default_mgr.engine, LocalReduce)
+    assert default_mgr.update(UpdateOptions()).cross_rank is None  # one process: no ranks
     assert all(torch.equal(a, b) for a, b in zip(default_grads, big_grads))
 
 
