@@ -41,10 +41,9 @@ def check_strategy(value: Any) -> Strategy:
         value.check()
         return value
     if not isinstance(value, str) or value not in STRATEGIES:
-        classes = "/".join(f"fitdp.{o.__name__}(...)" for o in ENGINES.values())
-        raise ValueError(f"strategy: got {value!r}; expected one of {list(STRATEGIES)} or "
-                         f"{classes}. Fix: strategy='auto' (DDP when each rank drives one "
-                         f"device)")
+        raise ValueError(f"strategy: got {value!r}; expected one of {list(STRATEGIES)} or a "
+                         f"strategy's options (fitdp.DDP(...), fitdp.FSDP(...)). Fix: "
+                         f"strategy='auto' (DDP when each rank drives one device)")
     return value
 
 
