@@ -23,9 +23,10 @@ from fitdp.executor.ddp import DDP
 from fitdp.executor.engine import Engine, EngineOptions
 from fitdp.executor.fsdp import FSDP
 from fitdp.executor.local_reduce import LocalReduce
+from fitdp.executor.zero1 import ZeRO1
 
 # The registry: strategy name -> its options class (called without arguments: the defaults).
-ENGINES: dict[str, type[EngineOptions]] = {options.name: options for options in (DDP, FSDP)}
+ENGINES: dict[str, type[EngineOptions]] = {options.name: options for options in (DDP, FSDP, ZeRO1)}
 STRATEGIES = ("auto", *ENGINES)  # what compile(strategy=...) takes by name
 
 Strategy = str | EngineOptions
