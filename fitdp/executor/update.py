@@ -63,6 +63,10 @@ class UpdateOptions:
         named: the reduce and the step in profiler ranges (``NamedUpdate``).
         cross_rank: the engine's cross-rank reduce runs in the update (False: the step
             summed the ranks' gradients itself, as the reproducible step does).
+
+    Example:
+        >>> UpdateOptions(clip_norm=1.0) == UpdateOptions(clip_norm=1.0)  # one kept update
+        True
     """
 
     optimizer: torch.optim.Optimizer | None = None
