@@ -34,9 +34,9 @@ ROOT = HERE.parent
 SCRIPTS = {"overhead": HERE / "overhead.py", "replicas": HERE / "replicas.py",
            "distributed": HERE / "distributed.py", "checkpoint": HERE / "checkpoint.py",
            "bucketing": HERE / "bucketing.py", "reproducible": HERE / "reproducible.py",
-           "instructions": ROOT / "tools" / "instructions.py"}
+           "hf_sizes": HERE / "hf_sizes.py", "instructions": ROOT / "tools" / "instructions.py"}
 TIMEOUT_S = {"overhead": 900, "replicas": 900, "distributed": 1200, "checkpoint": 1500,
-             "bucketing": 1200, "reproducible": 1200, "instructions": 1200}
+             "bucketing": 1200, "reproducible": 1200, "hf_sizes": 3600, "instructions": 1200}
 QUICK_TIMEOUT_S = 240
 # What the first run on a GPU must show: no CUDA path of fitdp had run when this was written.
 GPU_CHECKLIST = """## First GPU run: checklist

@@ -7,11 +7,12 @@ value, a ValueError for the right kind with a wrong value).
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import os
 import stat
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Any, NoReturn
 
 
@@ -217,3 +218,10 @@ def _special_kind(mode: int) -> str:
     if stat.S_ISSOCK(mode):
         return "a socket"
     return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
+
+
+def closest(name: str, names: Iterable[str]) -> str | None:
+    """The one of ``names`` that ``name`` is likely a misspelling of (``atention_mask`` of
+    ``attention_mask``: difflib's ratio at least 0.8), or None."""
+    found = difflib.get_close_matches(name, list(names), n=1, cutoff=0.8)
+    return found[0] if found else None

@@ -17,7 +17,8 @@ import pytest
 # The run behind every test starts torchrun jobs (2 gloo ranks on 127.0.0.1, bounded in time).
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("overhead", "replicas", "distributed", "checkpoint", "bucketing", "reproducible")
+SCRIPTS = ("overhead", "replicas", "distributed", "checkpoint", "bucketing", "reproducible",
+           "hf_sizes")
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,27 @@ def test_reproducible_compares_the_mode_with_the_ordinary_step(runs):
     case = "CNN, batch 64, 2 replica(s): micro_batch_size=8"
     assert got[f"{case}, time per step"]["ratio"] > 0
     assert got[f"{case}, peak memory above the start"]["reference"] == "ordinary step"
+
+
+def test_hf_sizes_compares_fitdp_with_the_hand_loop_and_the_peers_alone_and_on_ranks(runs):
+    """Issue 38: the real-size rows (the quick run: a tiny GPT-2): step time and peak memory
+    against the hand loop (the targets), HF Trainer and Lightning where installed, the
+    reproducible mode's cost, checkpoint times, and "ddp"/"fsdp" on 2 ranks."""
+    data = json.loads((runs["tmp"] / "json" / "hf_sizes.json").read_text())
+    got = {(r["section"], r["case"], r["reference"]): r for r in data["rows"]}
+    one, two = "GPT-2 124M, batch 4x128", "GPT-2 124M, batch 4x128, 2 ranks"
+    assert got[(one, "step time", "hand loop")]["target"] == 1.03
+    assert got[(one, "peak memory added by training", "hand loop")]["target"] == 1.10
+    assert got[(one, "reproducible mode (one micro-batch per device): step time", "fitdp")][
+        "target"] == 1.25
+    for what in ("save", "load"):
+        assert got[(one, f"checkpoint {what} (model and optimizer)", f"torch.{what}")][
+            "value"] > 0
+    for strategy in ("ddp", "fsdp"):
+        for what in ("step time", "peak memory per rank"):
+            assert got[(two, f"{strategy}: {what}", "hand DDP loop, 2 ranks")]["ratio"] > 0
+    peers = {r["reference"] for r in data["rows"] if r["case"] == "step time"}
+    assert peers >= {"hand loop"} and peers <= {"hand loop", "HF Trainer", "Lightning"}
 
 
 def test_gpu_checks_dry_run_on_the_cpu(runs):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -11,6 +12,10 @@ from fitdp.call.ranks import Ranks
 from fitdp.callbacks import CallbackList
 from fitdp.data.batch import Axes, DataBatch
 from fitdp.data.sequence import PAD_VALUE, pad_cat, reorder, split_samples
+
+# predict's pad for a ModelOutput's fields of several lengths: transformers Trainer's
+# ``padding_index`` for predictions (a value no real logit takes in practice).
+MODEL_OUTPUT_PAD = -100.0
 
 
 class Hooks(NamedTuple):
@@ -57,7 +62,8 @@ def run_batches(
 
 
 def assemble(rows: list[tuple[int, Any, Any]], ranks: Ranks, axis: Axes = 0,
-             pad_value: float = PAD_VALUE, ragged: bool = False) -> Any:
+             pad_value: float | None = None, ragged: bool = False,
+             kind: type | None = None) -> Any:
     """Predict's rows in input order (from every rank under torch.distributed).
 
     ``rows`` holds ``(step, sample indices or None, outputs)``. A rank's step ``s`` holds
@@ -66,7 +72,10 @@ def assemble(rows: list[tuple[int, Any, Any]], ranks: Ranks, axis: Axes = 0,
     time-major data; or one per output, ``fitdp.data.batch.output_axes``). Outputs of
     several lengths (a tagger over buckets) are padded at the end with ``pad_value`` to the
     longest; ``ragged`` returns one output per sample instead (the batch axis removed, each
-    at its batch's length).
+    at its batch's length). ``kind``: the class of the module's dict of outputs; a
+    transformers ``ModelOutput`` is given back as such (``preds.logits``, as after
+    ``model(**batch)``), its padding -100 unless ``pad_value`` says otherwise (Trainer pads
+    predictions so: ``padding_index=-100``).
     """
     keyed = [(s * ranks.world_size + ranks.rank, i, r) for s, i, r in rows]
     if ranks.enabled:
@@ -74,10 +83,24 @@ def assemble(rows: list[tuple[int, Any, Any]], ranks: Ranks, axis: Axes = 0,
     keyed = [k for k in keyed if k[2] is not None]
     if not keyed:
         raise ValueError("x: got no samples to predict on; expected at least one")
+    rebuilt = _rebuilder(kind)
+    if pad_value is None:
+        pad_value = PAD_VALUE if rebuilt is None else MODEL_OUTPUT_PAD
     indexed = all(i is not None for _, i, _ in keyed)
     order = torch.argsort(torch.cat([i for _, i, _ in keyed])) if indexed else None
     if ragged:
         samples = [s for _, _, r in keyed for s in split_samples(r, axis)]
-        return samples if order is None else [samples[i] for i in order.tolist()]
+        samples = samples if order is None else [samples[i] for i in order.tolist()]
+        return samples if rebuilt is None else [rebuilt(s) for s in samples]
     result = pad_cat([r for _, _, r in keyed], axis, pad_value)
-    return result if order is None else reorder(result, order, axis)
+    result = result if order is None else reorder(result, order, axis)
+    return result if rebuilt is None else rebuilt(result)
+
+
+def _rebuilder(kind: type | None) -> Callable[[dict[str, Any]], Any] | None:
+    """How to give a plain dict of fields back as ``kind``: a dataclass mapping (a
+    transformers ``ModelOutput``, whose fields not given stay None) is built from them;
+    None for any other kind (a plain dict stays one)."""
+    if kind is None or not (dataclasses.is_dataclass(kind) and issubclass(kind, Mapping)):
+        return None
+    return lambda fields: kind(**fields)

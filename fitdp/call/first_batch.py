@@ -1,19 +1,87 @@
-"""Checks made once per call on its first batch, before the first optimizer step: the
-outputs and targets fit the loss, the validation data is shaped like the training data, and
-which errors are fitdp's own (its messages are already clear) or the user's (explained with
-what the batch held)."""
+"""Checks made once per call on its first batch, before the first optimizer step: a dict
+batch's keys are arguments of the forward, the outputs and targets fit the loss, the
+validation data is shaped like the training data, and which errors are fitdp's own (its
+messages are already clear) or the user's (explained with what the batch held)."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from fitdp.checks import fail
+from fitdp.checks import closest, fail
 from fitdp.data.batch import DataBatch, tree_leaves, tree_structure
 from fitdp.data.sources import DataSource
 
 # the package's folder (this file is in fitdp/call/): an error raised anywhere in fitdp
 _FITDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardArguments:
+    """The argument names of a module's ``forward``, read once per call: a dict batch's and
+    ``forward_kwargs``' keys are checked against them at the first batch, and a Hugging Face
+    dataset keeps only these columns (``columns``).
+
+    Example:
+        >>> import torch
+        >>> ForwardArguments.read(torch.nn.Linear(2, 2)).names
+        ('input',)
+    """
+
+    owner: str  # "BertForSequenceClassification.forward"
+    names: tuple[str, ...]
+    open: bool  # the forward takes **kwargs
+
+    @classmethod
+    def of(cls, model: Any) -> ForwardArguments | None:
+        """The forward of ``model.module``; None for a model with its own steps (they call
+        the module as they like)."""
+        return None if getattr(model, "steps_overridden", False) else cls.read(model.module)
+
+    @classmethod
+    def read(cls, module: Any) -> ForwardArguments | None:
+        """``module.forward``'s named arguments (None when it has no signature to read)."""
+        try:
+            params = inspect.signature(module.forward).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        names = tuple(p.name for p in params if p.kind in (
+            p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        return cls(f"{type(module).__name__}.forward", names,
+                   any(p.kind is p.VAR_KEYWORD for p in params))
+
+    @property
+    def columns(self) -> frozenset[str] | None:
+        """The columns a Hugging Face dataset keeps (None: a forward of ``**kwargs`` alone
+        names none, so every column is kept)."""
+        return frozenset(self.names) if self.names else None
+
+    def check_keys(self, data: Any, forward_kwargs: Mapping[str, Any] | None) -> None:
+        """Every key of a dict batch and of ``forward_kwargs`` is an argument of the forward.
+        A forward with ``**kwargs`` takes any key, so there a key is refused only when it is
+        close to an argument it does not name (``atention_mask``): a transformers model
+        swallows such a typo and trains without the argument, silently.
+
+        Raises:
+            ValueError: naming the key, the closest argument and the forward.
+        """
+        for where, keys in (("x", data if isinstance(data, Mapping) else ()),
+                            ("forward_kwargs", forward_kwargs or ())):
+            for key in keys:
+                if not isinstance(key, str) or key in self.names:
+                    continue
+                close = closest(key, self.names)
+                if self.open and close is None:
+                    continue  # the forward's **kwargs may read it
+                fix = (f"did you mean {close!r}? Rename the key" if close else
+                       "drop the key, or rename it to one of the arguments")
+                swallows = (" (it takes **kwargs, which would swallow a misspelt argument "
+                            "silently)") if self.open else ""
+                fail(where, f"the key {key!r}", f"arguments of {self.owner} "
+                     f"({', '.join(self.names)}){swallows}", fix, described=True)
 
 
 def check_outputs(objective: Any, outputs: Any, batch: DataBatch, source: DataSource,

@@ -13,13 +13,15 @@ from typing import Any
 
 import torch
 
+from fitdp.call.first_batch import ForwardArguments
 from fitdp.call.monitor import Monitor
 from fitdp.call.ranks import DEFAULT_TIMEOUT, Ranks
 from fitdp.call.replicas import Placement
-from fitdp.callbacks import Callback, CallbackList, WeightAveraging
+from fitdp.callbacks import Callback, CallbackList, Profiler, WeightAveraging
 from fitdp.checks import FitdpWarning, check_choice, check_int, check_number, fail
 from fitdp.data.sources import DataSource
 from fitdp.data.sources.make import Kind, UserData, read_data
+from fitdp.executor.batchnorm_rows import check_batchnorm_rows
 from fitdp.executor.devices import DevicesArg, pin_host_batches, resolve_devices
 from fitdp.executor.slicing import check_work_load_arg
 from fitdp.saving.entries import resume_path
@@ -39,6 +41,8 @@ class CallPlan:
     timeout: float = DEFAULT_TIMEOUT  # seconds a collective may wait for the other ranks
     # (name, amounts of data) of each source, compared across ranks when the call joins
     amounts: tuple[tuple[str, dict[str, int | None]], ...] = ()
+    # the module's forward, whose names the first dict batch's keys are checked against
+    forward: ForwardArguments | None = None
 
     @property
     def ranks(self) -> Ranks:
@@ -96,7 +100,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
              validation_steps: Any, validation_batch_size: Any, validation_freq: Any,
              devices: DevicesArg, work_load_list: Any, seed: Any, monitor: Any, resume: Any,
              log_every: int, timeout: Any, reproducible: Any = False,
-             micro_batch_size: Any = None) -> FitPlan:
+             micro_batch_size: Any = None, collate_fn: Any = None) -> FitPlan:
     """``fit``'s arguments checked and its data read once; ``batch_size=WHOLE``: one batch of
     every row of in-memory data (``train_on_batch``)."""
     for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
@@ -117,7 +121,10 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
     if split and validation_data is not None:
         fail("validation_split", validation_split, "validation_split or validation_data, "
              "not both", "drop one of them")
-    data = read_data(x, y, sample_weight, labels_optional=model.labels_optional)
+    forward = ForwardArguments.of(model)
+    keep = forward.columns if forward is not None else None
+    data = read_data(x, y, sample_weight, labels_optional=model.labels_optional,
+                     collate_fn=collate_fn, keep=keep)
     if isinstance(batch_size, Whole):
         batch_size = data.rows()
     val_batch = batch_size if validation_batch_size is None else check_int(
@@ -132,6 +139,11 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
     train = data.source(batch_size=batch_size, shuffle=shuffle, seed=seed,
                         class_weight=class_weight, rank=ranks.rank, world_size=ranks.world_size,
                         pin_memory=pin, rank_unit=micro or 1)
+    if train.plan().rows_per_step is not None:  # in-memory tensors: every batch's rows known
+        check_batchnorm_rows(model.module, samples=None if steps else train.plan().num_samples,
+                             batch_size=batch_size, devices=placement.devices,
+                             loads=None if auto else placement.work_load_list,
+                             micro_batch_size=micro, world_size=ranks.world_size)
     num = train.num_batches
     if (steps is None and epochs - initial_epoch > 1 and num is None
             and data.kind is Kind.GENERATOR):
@@ -140,7 +152,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
              "(an endless generator trains as long as asked), a list, a DataLoader or a "
              "re-iterable object", described=True)
     if validation_data is not None:
-        val_data = _validation_data(validation_data, model.labels_optional)
+        val_data = _validation_data(validation_data, model.labels_optional, collate_fn, keep)
     val = None if val_data is None else val_data.source(
         batch_size=val_batch, shuffle=False, seed=seed, rank=ranks.rank,
         world_size=ranks.world_size, pin_memory=pin, rank_unit=micro or 1)
@@ -156,7 +168,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
         auto_loads=auto, timeout=timeout, amounts=tuple(amounts),
         val=val, val_steps=val_steps, val_freq=val_freq, seed=seed, monitor=monitor,
         resume=resume_path(resume, cbs.callbacks), log_every=log_every,
-        micro_batch_size=micro,
+        micro_batch_size=micro, forward=forward,
     )
 
 
@@ -193,7 +205,8 @@ def _micro_batch_size(model: Any, reproducible: Any, micro_batch_size: Any,
 
 def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int | Whole,
               verbose: Any, callbacks: Any, steps: Any, devices: DevicesArg,
-              has_labels: bool, work_load_list: Any = None) -> CallPlan:
+              has_labels: bool, work_load_list: Any = None, collate_fn: Any = None
+              ) -> CallPlan:
     """``evaluate`` (``has_labels``) or ``predict``; ``batch_size=WHOLE``: one batch of every
     row of in-memory data (``test_on_batch``, ``predict_on_batch``)."""
     if not isinstance(batch_size, Whole):
@@ -201,8 +214,10 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
     steps = None if steps is None else _steps("steps", steps)
     placement, auto = _place(model, devices, work_load_list, None)
     ranks = placement.ranks
+    forward = ForwardArguments.of(model)
     data = read_data(x, y, sample_weight, has_labels=has_labels,
-                     labels_optional=model.labels_optional)
+                     labels_optional=model.labels_optional, collate_fn=collate_fn,
+                     keep=forward.columns if forward is not None else None)
     if isinstance(batch_size, Whole):
         batch_size = data.rows()
     source = data.source(batch_size=batch_size, shuffle=False, seed=0, rank=ranks.rank,
@@ -213,7 +228,7 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
     return CallPlan(source=source, callbacks=cbs, placement=_bucketed(placement, source),
                     steps=steps, user_source=_users(data),
                     borrowed=(source,) if _users(data) else (), auto_loads=auto,
-                    amounts=(("x", _amounts(source)),))
+                    amounts=(("x", _amounts(source)),), forward=forward)
 
 
 def _place(model: Any, devices: DevicesArg, work_load_list: Any, batch_size: int | None
@@ -262,6 +277,11 @@ def _callbacks(model: Any, callbacks: Any, verbose: Any, **params: Any) -> Callb
         fail("callbacks", f"{len(averaging)} weight-averaging callbacks ({', '.join(averaging)})",
              "at most one EMA or SWA (each loads its average into the model when fit ends)",
              "keep one of them", described=True)
+    profilers = sum(isinstance(cb, Profiler) for cb in callbacks)
+    if profilers > 1:  # torch runs one profiler session at a time: two crashed (SIGSEGV)
+        fail("callbacks", f"{profilers} Profiler callbacks", "at most one Profiler (torch "
+             "runs one profiler at a time)", "keep one; its wait/warmup/active/repeat schedule "
+             "can record several windows", described=True)
     params.setdefault("resumed", None)
     return CallbackList(list(callbacks), model=model, add_history=True,
                         add_progbar=bool(level) and model.is_main_process, verbose=level,
@@ -300,12 +320,15 @@ def _validation_freq(freq: Any) -> int | Sequence[int]:
                      "list of epochs (1-based)")
 
 
-def _validation_data(data: Any, optional: bool) -> UserData:
-    """``validation_data``: ``(x, y[, sample_weight])`` or data that yields its own targets."""
+def _validation_data(data: Any, optional: bool, collate_fn: Any,
+                     keep: frozenset[str] | None) -> UserData:
+    """``validation_data``: ``(x, y[, sample_weight])`` or data that yields its own targets
+    (rows batched by ``fit``'s ``collate_fn``, as Trainer's ``data_collator`` batches both)."""
     x, y, w = data, None, None
     if isinstance(data, tuple) and len(data) in (2, 3):
         x, y, w = (*data, None) if len(data) == 2 else data
-    return read_data(x, y, w, name="validation_data", labels_optional=optional)
+    return read_data(x, y, w, name="validation_data", labels_optional=optional,
+                     collate_fn=collate_fn, keep=keep)
 
 
 def _users(data: UserData | None) -> bool:

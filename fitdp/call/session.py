@@ -19,6 +19,7 @@ when nobody has.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import signal
 import sys
@@ -40,17 +41,18 @@ from fitdp.call.replicas import Replicas
 from fitdp.call.run_state import RunState
 from fitdp.call.throughput import Throughput
 from fitdp.callbacks import CallbackList
+from fitdp.callbacks.base import is_log_point
 from fitdp.checks import FitdpWarning
 from fitdp.compiled.losses import explain_failure
 from fitdp.compiled.setup import Compiled
 from fitdp.data.batch import DataBatch, batch_length, take_rows, tree_cat, tree_map
-from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.checkpointing import ActivationCheckpointing
 from fitdp.executor.replica import call_module
 from fitdp.executor.reproducible import ReproducibleStep
 from fitdp.executor.step import Step
-from fitdp.saving.entries import Entry, EpochLogs
+from fitdp.executor.update import StepState
+from fitdp.saving.entries import RNG, Entry, EpochLogs, RankStates
 from fitdp.saving.fence import fence_steps
 
 
@@ -76,6 +78,9 @@ class Session:
         # train_step steps them (``Model.optimizer_step``) and fitdp takes no step itself.
         self.custom = replicas.step
         self.epoch_logs = EpochLogs(self.mgr, self.metrics, run, self.custom, plan.ranks)
+        # Each rank's own generators and data position, gathered before rank 0 saves.
+        self.rng = RankStates(RNG, plan.ranks, "random generators")
+        self.position = RankStates(self.data_position(), plan.ranks, "data positions")
         self.distributed = plan.ranks.enabled  # (read at every step boundary)
         self.manual = compiled is not None and compiled.manual
         if self.custom is not None and self.custom.meeting is not None:
@@ -96,6 +101,12 @@ class Session:
         # progress bar is rank 0's): read as planned.
         listens = cbs.listens("on_train_batch_end") or cbs.listens("on_test_batch_end")
         self.batch_reads = self.exact_logs or listens or self.distributed
+        # The log points, known to the callbacks (``is_log_point``): every batch where the
+        # logs are exact, else the first and every ``log_every``-th.
+        if self.exact_logs:
+            self.log_every = 1
+        cbs.set_params({**cbs.params, "log_every": self.log_every})
+        self.grad_norm = cbs.logs_grad_norm  # "grad_norm" in the training logs
         self.data_state: dict[str, Any] | None = None  # train source at the last step
         self.watching = False  # SIGTERM is read between training steps (``preemption``)
         self.vote: Any = None  # under torchrun: the flag of the last step boundary, in flight
@@ -125,10 +136,12 @@ class Session:
         micro = plan.micro_batch_size if isinstance(plan, FitPlan) else None
         self.test = self.mgr.bind_step(False, metric=self.metrics, named=named,
                                        micro_batch_size=micro)
+        inspect = functools.partial(cbs.call, "on_before_optimizer_step") \
+            if cbs.listens("on_before_optimizer_step") else None
         self.train = self.mgr.bind_step(
             True, optimizer=compiled.optimizer, scaler=compiled.scaler, clip_norm=self.clip,
-            scale=self.scale, metric=self.metrics, named=named,
-            micro_batch_size=micro) if compiled is not None else None
+            scale=self.scale, metric=self.metrics, named=named, micro_batch_size=micro,
+            track_norm=self.grad_norm, inspect=inspect) if compiled is not None else None
         # Last: the blocks' forwards are put back by ``close``, which runs once this is made.
         blocks = config.activation_checkpointing if config is not None else None
         self.checkpointing = ActivationCheckpointing(
@@ -169,6 +182,8 @@ class Session:
         self.rates = self.throughput.rates(self.train, plan.ranks,  # type: ignore[arg-type]
                                            self.mgr.devices[0])
         logs = self.read_logs()
+        if self.grad_norm:
+            logs.update(self.state_logs())
         self.mgr.sync_buffers()  # every replica (and the saved model) gets the same BN stats
         return logs
 
@@ -230,6 +245,8 @@ class Session:
                 self._first_batch(self.train, batch, first, stepping)  # type: ignore[arg-type]
             if not self.verified:
                 self._first_batch_checks(batch)
+                if isinstance(self.train, Step):  # the checks were the outputs' last reader
+                    self.train.keep_outputs = self.train.metric is not None
                 if due and not self.manual:
                     self.train.step_now()  # type: ignore[union-attr]
             run.micro_step += 1
@@ -237,7 +254,12 @@ class Session:
                 self._stepped()
             if monitor is not None:
                 monitor.report(run.epoch)
-        return self._batch_logs(index) if self.batch_reads else dict(self.logs)
+        if not self.batch_reads:
+            return dict(self.logs)
+        if self.grad_norm and is_log_point(index, self.log_every):  # kept as the loss is
+            self.logs = {**self._batch_logs(index), **self.state_logs()}
+            return dict(self.logs)
+        return self._batch_logs(index)
 
     # -- preemption ---------------------------------------------------------------------------
 
@@ -406,13 +428,14 @@ class Session:
         return logs
 
     def predict_pass(self, source: DataSource, callbacks: CallbackList, steps: int | None,
-                     pad_value: float = PAD_VALUE, ragged: bool = False) -> Any:
+                     pad_value: float | None = None, ragged: bool = False) -> Any:
         """Outputs for every sample of ``source``, in input order, on the CPU (see
         ``loop.assemble`` for ``pad_value`` and ``ragged``)."""
         self.run.stop_predicting = False
         source.set_epoch(0)
         rows: list[tuple[int, Any, Any]] = []
         axes: list[Any] = []  # per batch, each output's batch axis
+        kinds: list[type | None] = []  # per batch, the outputs' class (a ModelOutput)
         to_host = _host_copier(self.replicas)
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
@@ -426,6 +449,7 @@ class Session:
             outs = [tree_map(to_host, o) for o in self.mgr.outputs()]
             if outs:
                 axes.append(self.mgr.output_axes())
+                kinds.append(self.mgr.output_type())
             rows.append((index, batch.index, tree_cat(outs, axes[-1]) if outs else None))
             return {}
 
@@ -433,7 +457,8 @@ class Session:
         run_batches(itertools.islice(source, steps), callbacks, PREDICT, step, self.run)
         callbacks.call("on_predict_end", {})
         same = bool(axes) and all(a == axes[0] for a in axes)
-        return assemble(rows, self.plan.ranks, axes[0] if same else 0, pad_value, ragged)
+        return assemble(rows, self.plan.ranks, axes[0] if same else 0, pad_value, ragged,
+                        kinds[0] if kinds else None)
 
     # -- shared by every call -------------------------------------------------------------
 
@@ -461,10 +486,15 @@ class Session:
         several = len(self.mgr.devices) > 1 or self.plan.ranks.enabled
         if custom_rows is not None and bound.is_train and several and batch.label is not None:
             custom_rows(batch.label)
+        forward = self.plan.forward
+        if forward is not None and self.custom is None:
+            forward.check_keys(batch.data, compiled.forward_kwargs if compiled else None)
         if compiled is not None and batch.label is not None and self.custom is None:
             compiled.objective.check_targets(batch.label)
             if batch.sample_weight is not None and not compiled.objective.supports_sample_weight:
                 raise ValueError(compiled.objective.no_weights_message())
+        if isinstance(bound, Step) and bound.is_train:  # outputs kept for a reader only
+            bound.keep_outputs = bound.metric is not None or self._checks_outputs(batch)
         try:
             self.checked = True
             bound(batch, zero_grad=zero_grad, step=step, total_rows=batch.global_rows)
@@ -486,7 +516,7 @@ class Session:
         self.verified = True  # and one CPU row kept for summary()'s output shapes:
         self.example_inputs = tree_map(lambda t: t.to("cpu", copy=True), take_rows(
             batch.data, slice(0, 1), batch.axis))
-        if self.compiled is None or batch.label is None or self.custom is not None:
+        if not self._checks_outputs(batch):
             return  # (a custom step's outputs and targets are the step's own to check)
         outputs = self.mgr.outputs()
         if not outputs:
@@ -494,9 +524,30 @@ class Session:
         check_outputs(self.compiled.objective, outputs[0], batch, self.plan.source,
                       getattr(self.plan, "val", None))
 
+    def state_logs(self) -> dict[str, float]:
+        """What the last optimizer step saw that the callbacks asked for (``grad_norm``),
+        read on the host: one sync, at a log point; {} before the call's first step."""
+        state = self.step_state
+        norm = state.grad_norm if state is not None else None
+        if norm is None:
+            return {}
+        whole = getattr(norm, "full_tensor", None)  # FSDP2: a sharded norm, all-reduced
+        return {"grad_norm": float(whole() if whole is not None else norm)}
+
+    @property
+    def step_state(self) -> StepState | None:
+        """The training step's view of its last optimizer step (``StepState``), or None
+        without one (evaluate, predict, no optimizer)."""
+        update = getattr(self.train, "update", None)
+        return update.state if update is not None else None
+
+    def _checks_outputs(self, batch: DataBatch) -> bool:
+        """Whether the first-batch checks read this call's outputs (compile's loss on
+        separate targets: a model's own loss on a dict batch needs no check)."""
+        return self.compiled is not None and batch.label is not None and self.custom is None
+
     def _batch_logs(self, index: int) -> dict[str, float]:
-        if self.exact_logs or (self.batch_reads and (
-                index == 0 or (index + 1) % self.log_every == 0)):
+        if self.exact_logs or (self.batch_reads and is_log_point(index, self.log_every)):
             self.logs = self.read_logs()  # a host sync: only at log points on GPU
         return dict(self.logs)
 

@@ -7,11 +7,12 @@ Example:
 """
 
 from fitdp.callbacks.backup import BackupAndRestore
-from fitdp.callbacks.base import HOOKS, Callback
+from fitdp.callbacks.base import HOOKS, Callback, is_log_point
 from fitdp.callbacks.callback_list import CallbackList, state_keys
 from fitdp.callbacks.csv_logger import CSVLogger
 from fitdp.callbacks.early_stopping import EarlyStopping
 from fitdp.callbacks.ema import EMA
+from fitdp.callbacks.grad_norm import GradNormLogger
 from fitdp.callbacks.history import History
 from fitdp.callbacks.lambda_callback import LambdaCallback
 from fitdp.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
@@ -26,7 +27,8 @@ from fitdp.callbacks.weight_averaging import WeightAveraging
 
 __all__ = [
     "EMA", "HOOKS", "SWA", "BackupAndRestore", "CSVLogger", "Callback", "CallbackList",
-    "EarlyStopping", "History", "LambdaCallback", "LearningRateScheduler", "MLflowLogger",
-    "ModelCheckpoint", "Profiler", "ProgressBar", "ReduceLROnPlateau", "Speedometer",
-    "TensorBoard", "TerminateOnNaN", "WeightAveraging", "state_keys",
+    "EarlyStopping", "GradNormLogger", "History", "LambdaCallback", "LearningRateScheduler",
+    "MLflowLogger", "ModelCheckpoint", "Profiler", "ProgressBar", "ReduceLROnPlateau",
+    "Speedometer", "TensorBoard", "TerminateOnNaN", "WeightAveraging", "is_log_point",
+    "state_keys",
 ]

@@ -11,7 +11,14 @@ HOOKS: tuple[str, ...] = (
     "on_train_batch_begin", "on_train_batch_end",
     "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
     "on_predict_begin", "on_predict_end", "on_predict_batch_begin", "on_predict_batch_end",
+    "on_before_optimizer_step",
 )
+def is_log_point(batch: int, log_every: int) -> bool:
+    """Whether a call reads its logs after ``batch`` (0-based in the epoch): the first batch
+    and every ``log_every``-th (``fit(log_every=...)``; 1 where reading costs no sync)."""
+    return batch == 0 or (batch + 1) % log_every == 0
+
+
 HOOK_ALIASES: dict[str, str] = {"on_train_batch_begin": "on_batch_begin",
                                 "on_train_batch_end": "on_batch_end"}
 
@@ -20,10 +27,11 @@ class Callback:
     """Base class of every callback: override the hooks you need, Keras style.
 
     `self.model` is the `fitdp.Model` being trained (set by `set_model`), `self.params` a dict
-    with `epochs`, `steps`, `verbose`, `batch_size` and `resumed` (None, or the `path`,
-    `epoch` and `step` a resumed fit continues from). Every `logs` is a `dict[str, float]`;
-    batch logs hold the loss and every metric, possibly a few batches old on a GPU unless
-    `sync_every_batch` is True.
+    with `epochs`, `steps`, `verbose`, `batch_size`, `resumed` (None, or the `path`,
+    `epoch` and `step` a resumed fit continues from) and `log_every` (the call's log points:
+    `is_log_point(batch, log_every)`). Every `logs` is a `dict[str, float]`; batch logs hold
+    the loss and every metric, read at the log points (on a GPU, a few batches old in
+    between, unless `sync_every_batch` is True).
 
     Per-run state is reset in `on_train_begin`, unconditionally: when a fit resumes, the model
     calls `load_state_dict` after `on_train_begin`, so a resumed run continues the saved state.
@@ -44,6 +52,9 @@ class Callback:
     # True: the call's step runs its phases (load, forward, backward, reduce, step) inside
     # torch.profiler.record_function ranges, for a profiler's trace (`Profiler`).
     names_phases: bool = False
+    # True: every optimizer step takes the global norm of the gradients before clipping, on
+    # the device, and the logs hold it as "grad_norm" at each log point (`GradNormLogger`).
+    logs_grad_norm: bool = False
     model: Any = None  # class default: subclasses that skip super().__init__() still work
 
     def __init__(self) -> None:
@@ -145,6 +156,11 @@ class Callback:
 
     def on_predict_batch_begin(self, batch: int, logs: dict[str, float] | None = None) -> None:
         """Called before each prediction batch."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Called before each optimizer step, after the gradients were reduced over the devices
+        and ranks and unscaled, before clipping (Lightning's hook). `self.model.step_state`
+        describes the previous step; reading a gradient as a number syncs with the device."""
 
     def on_predict_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
         """Called after each prediction batch."""

@@ -117,7 +117,8 @@ class CallbackList:
         return dict(self._params or {})
 
     def set_params(self, params: dict[str, Any]) -> None:
-        """Pass the run parameters (`epochs`, `steps`, `verbose`, `batch_size`, `resumed`)."""
+        """Pass the run parameters (`epochs`, `steps`, `verbose`, `batch_size`, `resumed`,
+        `log_every`)."""
         self._params = dict(params)
         for cb in self.callbacks:
             if hasattr(cb, "set_params"):
@@ -159,6 +160,12 @@ class CallbackList:
         """True when some callback profiles the call (`names_phases`): its step is bound with
         fitdp's phases as named ranges for the trace."""
         return any(getattr(cb, "names_phases", False) is True for cb in self.callbacks)
+
+    @property
+    def logs_grad_norm(self) -> bool:
+        """True when some callback wants the gradients' norm in the logs (`logs_grad_norm`):
+        the call's optimizer steps take it on the device."""
+        return any(getattr(cb, "logs_grad_norm", False) is True for cb in self.callbacks)
 
     @property
     def needs_batch_logs(self) -> bool:

@@ -28,7 +28,8 @@ class Profiler(Callback):
     with this callback binds its step with those ranges; a fit without one runs no range
     code at all. CPU activity is recorded, and CUDA's when a GPU is present. Every process
     writes its own trace (its rank in the name). A window cut short by the end of fit is
-    written then.
+    written then. A fit takes one `Profiler` (torch runs one profiler session at a time:
+    `fit` refuses a second before anything changes).
 
     Args:
         dir: the folder the traces go to (made when the first is written).

@@ -24,6 +24,9 @@ from torchmetrics.classification import (
     MultilabelAccuracy,
 )
 from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError
+from torchmetrics.text import Perplexity
+
+from fitdp.compiled.own_loss import IGNORE_INDEX  # class-index metrics skip it, as the losses
 
 # Keras's loss names -> fitdp's (the same loss on logits).
 LOSS_ALIASES: dict[str, str] = {
@@ -46,10 +49,12 @@ TASK_METRICS = (*ACCURACY, "binary_accuracy", "categorical_accuracy",
                 "sparse_top_k_categorical_accuracy", "auc", "precision", "recall")
 REGRESSION_METRICS = ("mae", "mean_absolute_error", "mse", "mean_squared_error", "rmse",
                       "root_mean_squared_error")
-METRIC_NAMES = (*TASK_METRICS, *REGRESSION_METRICS)
+# exp of the mean cross entropy over the labelled targets (a language model's perplexity).
+PERPLEXITY = "perplexity"
+METRIC_NAMES = (*TASK_METRICS, *REGRESSION_METRICS, PERPLEXITY)
 # Names that are a mean of per-sample values, so they take sample weights (weighted_metrics).
 WEIGHTABLE = tuple(n for n in METRIC_NAMES if n not in (
-    "auc", "precision", "recall", "rmse", "root_mean_squared_error"))
+    "auc", "precision", "recall", "rmse", "root_mean_squared_error", PERPLEXITY))
 TOP_K = 5  # Keras's default k
 
 Prepare = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[Any, ...]]
@@ -98,6 +103,8 @@ def build_metric(name: str, outputs: torch.Tensor, targets: torch.Tensor, *,
     """
     if name in REGRESSION_METRICS:
         return _regression(name, weighted)
+    if name == PERPLEXITY:
+        return _perplexity(outputs, targets)
     task = task_of(outputs, targets, binary_loss)
     if name == "binary_accuracy":
         task = "binary" if task == "binary" else "multilabel"
@@ -120,7 +127,8 @@ def build_metric(name: str, outputs: torch.Tensor, targets: torch.Tensor, *,
     if task == "multilabel":
         return (MultilabelAccuracy(num_labels=classes, average="micro"),
                 lambda o, t, w: (torch.sigmoid(o), t.long()))
-    metric = MulticlassAccuracy(num_classes=classes, average="micro", top_k=k)
+    metric = MulticlassAccuracy(num_classes=classes, average="micro", top_k=k,
+                                ignore_index=IGNORE_INDEX)
     if task == "onehot":
         return metric, lambda o, t, w: (o, t.argmax(1))
     return metric, lambda o, t, w: (o, t)
@@ -137,6 +145,28 @@ def _regression(name: str, weighted: bool) -> tuple[Metric, Prepare]:
     if name in ("rmse", "root_mean_squared_error"):
         return MeanSquaredError(squared=False), lambda o, t, w: (o, t)
     return (MeanSquaredError() if squared else MeanAbsoluteError()), lambda o, t, w: (o, t)
+
+
+def _perplexity(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[Metric, Prepare]:
+    """torchmetrics' ``Perplexity`` (-100 ignored) on class logits of any layout with the
+    class axis 1 (a module's own class-last logits come here as rows ``(tokens, C)``): every
+    position's logits as one row, in float32.
+
+    Raises:
+        ValueError: outputs without a class axis, or float targets.
+    """
+    if outputs.dim() < 2 or targets.is_floating_point():
+        raise ValueError(
+            f"metrics: 'perplexity' reads class logits and class-index targets; got outputs "
+            f"{tuple(outputs.shape)} and {str(targets.dtype).removeprefix('torch.')} targets "
+            f"{tuple(targets.shape)}. Fix: use it on a language model's or a classifier's "
+            f"logits, with integer labels (-100 where ignored).")
+
+    def prepare(o: torch.Tensor, t: torch.Tensor, w: torch.Tensor | None) -> tuple[Any, ...]:
+        rows = o.movedim(1, -1).reshape(1, -1, o.shape[1]).float()
+        return rows, t.reshape(1, -1)
+
+    return Perplexity(ignore_index=IGNORE_INDEX), prepare
 
 
 def _flattened(name: str, task: str, classes: int) -> tuple[Metric, Prepare]:

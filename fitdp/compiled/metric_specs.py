@@ -14,6 +14,7 @@ import torch
 from torchmetrics import Metric
 
 from fitdp.compiled.keras_names import METRIC_NAMES, WEIGHTABLE, Prepare, build_metric
+from fitdp.compiled.token_view import TokenView
 
 MetricArg = Metric | str
 MetricsArg = (Sequence[MetricArg] | Sequence[Sequence[MetricArg] | None]
@@ -35,6 +36,8 @@ class MetricSpec:
         weighted: updated with the batch's sample weights (``weighted_metrics``).
         binary_loss: the output's loss is a binary one (float targets of several columns
             are then multilabel, not one-hot).
+        view: how it reads a module's own outputs (``compile(loss=None)``: class-last logits
+            per token), or None: the outputs and targets as they are (class axis 1).
 
     Example:
         >>> spec = MetricSpec("accuracy")
@@ -44,10 +47,12 @@ class MetricSpec:
     """
 
     def __init__(self, metric: MetricArg, output: Hashable | None = None, *,
-                 weighted: bool = False, binary_loss: bool = False) -> None:
+                 weighted: bool = False, binary_loss: bool = False,
+                 view: TokenView | None = None) -> None:
         self.name = metric if isinstance(metric, str) else None
         self.metric: Metric | None = None if isinstance(metric, str) else metric
         self.output, self.weighted, self.binary_loss = output, weighted, binary_loss
+        self.view = view
         self.prepare: Prepare | None = None
         # A Keras name's metric is built from the first outputs and targets it sees, by
         # their shapes and dtypes only (``task_of``): kept without rows, so that a resume
@@ -143,8 +148,8 @@ def state_on_device(state: Mapping[str, Any], device: torch.device) -> dict[str,
 
 
 def metric_specs(metrics: Any, weighted_metrics: Any = None,
-                 binary_losses: Mapping[Hashable | None, bool] | None = None
-                 ) -> dict[str, MetricSpec]:
+                 binary_losses: Mapping[Hashable | None, bool] | None = None,
+                 view: TokenView | None = None) -> dict[str, MetricSpec]:
     """Check ``compile``'s ``metrics`` and ``weighted_metrics`` and give each its log key.
 
     Args:
@@ -155,6 +160,7 @@ def metric_specs(metrics: Any, weighted_metrics: Any = None,
         weighted_metrics: the same forms, updated with the sample weights (a name already
             taken by ``metrics`` gets ``weighted_`` before it, as in Keras).
         binary_losses: output key (None: the only output) -> whether its loss is binary.
+        view: how every metric reads the module's own outputs (``MetricSpec``), or None.
 
     Returns:
         log key -> spec, in the order given (weighted ones last).
@@ -171,7 +177,7 @@ def metric_specs(metrics: Any, weighted_metrics: Any = None,
         for key, output, metric in _entries(value, arg):
             _check_entry(arg, key, metric, weighted)
             spec = MetricSpec(metric, output, weighted=weighted,
-                              binary_loss=binary.get(output, False))
+                              binary_loss=binary.get(output, False), view=view)
             prefix = "" if output is None else (
                 f"output_{output}_" if isinstance(output, int) else f"{output}_")
             if key is None:  # named by the metric (and, per output, the output)

@@ -301,8 +301,13 @@ def _update_owned(name: str, spec: MetricSpec, outputs: Any, labels: Any,
         preds, target = outputs, labels
         if spec.output is not None:
             preds, target = outputs[spec.output], labels[spec.output]
+        view = spec.view
+        if view is not None:  # a module's own (class-last) logits: one row per token
+            preds, target = view(preds, target)
         if m is None:
             m = spec.build(preds, target)
+        if view is not None:
+            preds, target = view.kept(m, preds, target)
         if spec.prepare is not None:
             m.update(*spec.prepare(preds, target, weight if spec.weighted else None))
         else:
@@ -331,12 +336,25 @@ def metric_failure(name: str, kind: str, outputs: Any, labels: Any, err: Excepti
         return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
                          for t in tree_leaves(tree)) or "none"
 
+    fix = ("build the metric for this model's outputs (e.g. num_classes equal to the size "
+           "of its last layer) or leave it out of compile(metrics=...)")
+    if _class_last(outputs, labels):
+        fix = ("these outputs look class-last (batch, length, classes) against per-token "
+               "targets, and metrics read the classes on axis 1, as torch's losses do: return "
+               "logits.transpose(1, 2) from the module, or compile(loss=None) with a module "
+               "that computes its own loss (its outputs' logits are then read class-last, "
+               "one row per token, -100 dropped)")
     return reworded(err, (
         f"metrics: {name!r} ({kind}) failed to update on outputs "
         f"{shapes(outputs)} and targets {shapes(labels)}: {type(err).__name__}: "
-        f"{first_line(err)}. Fix: build the metric for this model's outputs (e.g. num_classes "
-        f"equal to the size of its last layer) or leave it out of compile(metrics=...)."),
-        ValueError)
+        f"{first_line(err)}. Fix: {fix}."), ValueError)
+
+
+def _class_last(outputs: Any, labels: Any) -> bool:
+    """Whether ``outputs`` is one tensor of per-token class scores, class last, for
+    ``labels`` (its shape but the last axis)."""
+    return (isinstance(outputs, torch.Tensor) and isinstance(labels, torch.Tensor)
+            and outputs.dim() >= 3 and outputs.shape[:-1] == labels.shape)
 
 
 @contextmanager

@@ -24,6 +24,28 @@ from fitdp.data.batch import batch_labels
 IGNORE_INDEX = -100  # what torch's cross_entropy and Hugging Face's losses ignore
 ITEMS = ("tokens", "causal_lm")
 LossItems = str | Callable[[Any], Any] | None
+# transformers' heads by the end of their class name -> what their loss averages over (None:
+# the rows). Read from the names, so fitdp needs no import of transformers to know them.
+HEADS = {"ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm", "ForMaskedLM": "tokens",
+         "ForTokenClassification": "tokens", "ForSequenceClassification": None}
+
+
+def head_of(module: Any) -> tuple[str, str | None] | None:
+    """``(class name, loss_items it needs)`` of a transformers model with a known head (the
+    first class of its type's MRO that transformers defines: a user's subclass counts),
+    or None for any other module.
+
+    Example:
+        >>> head_of(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("transformers."):
+            for suffix, items in HEADS.items():
+                if cls.__name__.endswith(suffix):
+                    return cls.__name__, items
+            return None
+    return None
 
 
 class ItemCount:
@@ -82,6 +104,7 @@ class OwnLoss:
 
     Args:
         loss_items: what that loss averages over (see ``ItemCount``), or None: the rows.
+        head: ``head_of`` the module: its class name and the ``loss_items`` its loss needs.
 
     Example:
         >>> OwnLoss(None).loss_of({"loss": torch.tensor(0.5), "logits": torch.zeros(2, 3)})
@@ -90,8 +113,10 @@ class OwnLoss:
 
     supports_sample_weight = False
 
-    def __init__(self, loss_items: LossItems) -> None:
+    def __init__(self, loss_items: LossItems,
+                 head: tuple[str, str | None] | None = None) -> None:
         self.loss_items = loss_items
+        self.head = head
         self.counts = None if loss_items is None else ItemCount(loss_items)
         self.declared_counts = self.counts  # a custom step's slices weigh by it too
         self.unweighted = self
@@ -117,12 +142,48 @@ class OwnLoss:
                  "such as loss='cross_entropy' and pass y", described=True)
         return loss
 
+    @property
+    def shifts(self) -> bool:
+        """Whether the module's loss shifts its labels (a causal LM): ``loss_items``, or where
+        it names no mode, the head's."""
+        items = self.loss_items if isinstance(self.loss_items, str) else (
+            self.head[1] if self.head else None)
+        return items == "causal_lm"
+
     def warn_uncounted(self, data: Any, labels: Any) -> None:
-        """Warn when the first batch's labels hold -100 and no ``loss_items`` says what the
-        module's loss averages over (slices and the logged loss are weighed by rows)."""
+        """Check the first training batch's labels against what the module's loss averages
+        over, before any step: ``loss_items`` naming tokens on one label per row is refused;
+        a known transformers head given another ``loss_items`` than its loss needs, or none
+        where it needs one, is warned about (naming it); so are labels holding -100 with no
+        ``loss_items`` (slices and the logged loss are then weighed by rows).
+
+        Raises:
+            ValueError: ``loss_items='tokens'`` or ``'causal_lm'`` and one label per row.
+        """
         targets = batch_labels(data, labels)
-        if (self.counts is not None or not isinstance(targets, torch.Tensor)
-                or targets.is_floating_point() or not bool((targets == IGNORE_INDEX).any())):
+        if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
+            return
+        items = self.loss_items
+        per_token = targets.dim() >= 2
+        if items in ITEMS and not per_token:
+            fail("loss_items", f"{items!r} and labels of shape {tuple(targets.shape)}, one "
+                 f"per row", "per-token labels (batch, length) for a loss over tokens",
+                 "loss_items=None for a loss averaged over the rows (a sequence classifier)",
+                 described=True)
+        named, needed = self.head if self.head else (None, None)
+        if named is not None and per_token and needed in ITEMS and items != needed and (
+                items is None or isinstance(items, str)):
+            given = "loss_items is None (the rows are counted)" if items is None else \
+                f"loss_items is {items!r}"
+            over = "the labelled tokens" + (
+                " after the first (it shifts its labels)" if needed == "causal_lm" else "")
+            warnings.warn(
+                f"compile(loss=None): {named}'s loss averages over {over}, but {given}, "
+                f"so several devices or ranks and the logged loss weigh each slice by "
+                f"another count than the model's. Fix: "
+                f"compile(loss=None, loss_items={needed!r}).", FitdpWarning, stacklevel=2)
+            return
+        if self.counts is not None or not bool((targets == IGNORE_INDEX).any()):
             return
         warnings.warn(
             "compile(loss=None): the batch's labels hold -100 (ignored targets) but no "
@@ -151,15 +212,15 @@ class OwnLoss:
                 "takes per-sample weights, or weigh the loss inside the module.")
 
 
-def own_loss(loss: Any, loss_items: LossItems) -> OwnLoss | None:
-    """``OwnLoss`` for ``compile(loss=None)``; None for a compile loss (``loss_items`` then
-    has no meaning and is refused).
+def own_loss(loss: Any, loss_items: LossItems, module: Any = None) -> OwnLoss | None:
+    """``OwnLoss`` for ``compile(loss=None)`` of ``module``; None for a compile loss
+    (``loss_items`` then has no meaning and is refused).
 
     Raises:
         ValueError: ``loss_items`` with a compile loss; an unknown ``loss_items``.
     """
     if loss is None:
-        return OwnLoss(loss_items)
+        return OwnLoss(loss_items, head_of(module))
     if loss_items is not None:
         fail("loss_items", loss_items, "None when compile has a loss (loss_items says what "
              "the module's own loss averages over)", "compile(loss=None, loss_items=...) "

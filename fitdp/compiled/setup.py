@@ -23,6 +23,7 @@ from fitdp.compiled.optimizers import (
     build_scheduler,
 )
 from fitdp.compiled.own_loss import OwnLoss, own_loss
+from fitdp.compiled.token_view import TokenView
 from fitdp.executor.checkpointing import check_blocks
 from fitdp.executor.engines import Strategy, check_strategy
 
@@ -114,10 +115,12 @@ class Compiled:
         check_strategy(config.strategy)
         check_forward_kwargs(config.forward_kwargs)
         check_blocks(config.activation_checkpointing, module)
-        objective = own_loss(config.loss, config.loss_items) or Objective(
+        objective = own_loss(config.loss, config.loss_items, module) or Objective(
             config.loss, config.loss_weights)
+        # The model's own outputs are read in transformers' layout (class last, per token).
+        view = TokenView(objective.shifts) if isinstance(objective, OwnLoss) else None
         metrics = metric_specs(config.metrics, config.weighted_metrics,
-                               objective.binary_outputs())
+                               objective.binary_outputs(), view)
         if not any(True for _ in module.parameters()):  # nn.Identity: nothing to optimize
             return cls(config, objective, None, None, "epoch", metrics)
         # 16-mixed runs on CUDA only: a fused optimizer there spares GradScaler a sync a step.

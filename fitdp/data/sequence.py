@@ -140,10 +140,13 @@ def batch_first(outputs: Any, labels: Any, axis: int, out_axes: Axes = None
 
 
 def check_pad_args(pad_value: Any, ragged: Any) -> None:
-    """``predict``'s ``pad_value`` (any real number, NaN included) and ``ragged`` (a bool)."""
-    if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
+    """``predict``'s ``pad_value`` (any real number, NaN included, or None: the default of
+    the outputs' kind) and ``ragged`` (a bool)."""
+    if pad_value is not None and (
+            isinstance(pad_value, bool) or not isinstance(pad_value, (int, float))):
         raise TypeError(f"pad_value: got {pad_value!r}; expected a number (the value written "
-                        f"after outputs shorter than the longest, e.g. 0.0 or float('nan'))")
+                        f"after outputs shorter than the longest, e.g. 0.0 or float('nan')), "
+                        f"or None")
     if not isinstance(ragged, bool):
         raise TypeError(f"ragged: got {ragged!r}; expected True (a list of per-sample outputs)"
                         f" or False (one tensor padded with pad_value)")

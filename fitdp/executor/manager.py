@@ -350,6 +350,12 @@ class DataParallelExecutorManager:
         ex = next((e for e in self.curr_execgrp.executors if e.valid > 0), None)
         return 0 if ex is None else ex.output_axes(ex.outputs)
 
+    def output_type(self) -> type | None:
+        """The class of the current batch's outputs when the module returned a dict (a
+        ``ModelOutput``: ``outputs`` holds its per-row fields as a plain dict), else None."""
+        ex = next((e for e in self.curr_execgrp.executors if e.valid > 0), None)
+        return None if ex is None or isinstance(ex.outputs, torch.Tensor) else ex.output_type
+
     def loss_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of per-row losses, rows) since ``reset_loss``, on device 0 (no host sync)."""
         sums, dev = self.loss_sums(), self.devices[0]
@@ -401,7 +407,9 @@ class DataParallelExecutorManager:
     def bind_step(self, is_train: bool, *, optimizer: torch.optim.Optimizer | None = None,
                   scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
                   scale: Scale | None = None, metric: Any = None, named: bool = False,
-                  micro_batch_size: int | None = None) -> Step | ReproducibleStep:
+                  micro_batch_size: int | None = None, track_norm: bool = False,
+                  inspect: Callable[[torch.optim.Optimizer], None] | None = None
+                  ) -> Step | ReproducibleStep:
         """The step for a call's batches, from what the call fixes: ``step(batch,
         zero_grad=, step=, total_rows=)`` trains (or, not ``is_train``, evaluates) a batch;
         ``step.step_now()`` takes the optimizer step alone. The caller holds its Ctrl-C
@@ -419,11 +427,16 @@ class DataParallelExecutorManager:
                 profiler's trace; without it the step runs no range code at all.
             micro_batch_size: the step of ``fit(reproducible=True)`` instead
                 (``fitdp.executor.reproducible``), in micro-batches of this many rows.
+            track_norm: every optimizer step takes the gradients' global norm before
+                clipping, on the device (the update's ``state.grad_norm``).
+            inspect: called with the optimizer after the reduce and the unscale, before
+                clipping and the step (``on_before_optimizer_step``).
 
         Raises:
             ValueError: ``micro_batch_size`` with an engine that shards the weights (FSDP2).
         """
-        options = UpdateOptions(optimizer, scaler, clip_norm, named)
+        options = UpdateOptions(optimizer, scaler, clip_norm, named, track_norm=track_norm,
+                                inspect=inspect)
         if micro_batch_size is not None:
             # The reproducible step sums the ranks' gradients itself (in a fixed order).
             update = self.update(dataclasses.replace(options, named=False, cross_rank=False))

@@ -146,6 +146,9 @@ class Executor:
         self.valid = 0
         self.axis = 0
         self.outputs: Any = None
+        # The class of the module's last dict of outputs (a ModelOutput), which ``outputs``
+        # holds as a plain dict: predict gives its rows back in it.
+        self.output_type: type | None = None
         self.loss: torch.Tensor | None = None
         self._autocast: torch.dtype | None = None  # this forward's (a compiled graph's key)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -246,6 +249,7 @@ class Executor:
             with torch.set_grad_enabled(is_train), autocast:
                 loss, outputs = compute(self, is_train)
         if not isinstance(outputs, torch.Tensor):  # a ModelOutput: its per-row tensors
+            self.output_type = type(outputs)
             outputs = per_row_outputs(outputs)
         self.outputs = outputs
         if loss is None:

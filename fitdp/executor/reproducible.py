@@ -32,7 +32,6 @@ is refused.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +41,7 @@ from torch import nn
 
 from fitdp.data.batch import DataBatch, checked_rows, take_rows, tree_cat, tree_map
 from fitdp.executor.replica import Executor
+from fitdp.executor.shared_generator import SHARED, generator
 from fitdp.executor.slicing import device_slices
 from fitdp.executor.update import Update
 
@@ -49,8 +49,6 @@ from fitdp.executor.update import Update
 Scale = Callable[[torch.Tensor], torch.Tensor]
 Grads = list[torch.Tensor]
 Block = tuple[int, int]  # (level, index): the aligned block [index * 2**level, ...)
-# CPU replicas share one generator: a micro-batch's seeding and forward hold it alone.
-_CPU_RNG = threading.Lock()
 
 
 def micro_batches(rows: int, size: int) -> list[slice]:
@@ -375,10 +373,10 @@ class ReproducibleStep:
     def _forward_seeded(self, ex: Executor, compute: _Recorded, weight: float, count: float,
                         seed: int, cpu: bool, share: _Share) -> None:
         """A training forward drawing from the generator seeded with ``seed``; the
-        device's generator is given back as it was (CPU replicas share one: held alone)."""
-        gen = torch.default_generator if cpu else torch.cuda.default_generators[
-            ex.device.index or 0]
-        with _CPU_RNG if cpu else _NULL_LOCK:
+        device's generator is given back as it was (CPU replicas share one: held alone, as
+        a checkpointed block's recompute holds it)."""
+        gen = generator(ex.device)
+        with SHARED if cpu else _NULL_LOCK:
             state = gen.get_state()
             gen.manual_seed(seed % 2**63)
             seeded = gen.get_state()

@@ -7,19 +7,32 @@ checkpoint, and a ``LATEST`` file naming the newest complete one. ``LATEST`` is 
 coordinator rank after every rank's shards are on disk, and after ``checksums.json`` (the
 size and CRC-32 of every file of the step, each rank summing the files it wrote) is, so a
 crash at any moment (SIGKILL included) leaves ``LATEST`` naming a whole checkpoint.
-``damaged_file`` checks a step against its checksums before anything reads it. Loading
+``damaged_file`` checks a step against its checksums before anything reads it (the
+checksums list the step's files exactly: a file they do not list is refused too). Loading
 reshards: the same folder loads on another world size, and into one process (plain tensors).
+
+Nothing read from the folder can run code. DCP's own reader unpickles ``.metadata`` with
+``pickle.load``, and checksums that whoever writes the folder can recompute do not stop a
+crafted one; ``read_metadata`` reads it with an unpickler that admits only DCP's metadata
+types (as ``torch.load(weights_only=True)`` admits only tensors and plain values), and
+``load`` hands DCP that checked index, so DCP's ``pickle.load`` never runs. The shards
+themselves DCP reads with ``torch.load(weights_only=True)``; an index entry that would make
+it read anything else (a pickled object, a transformed stream, a file outside the step) is
+refused. A refusal is a ``RefusedFile`` naming the file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import shutil
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +46,15 @@ from fitdp.executor.fsdp import is_shard
 
 LATEST = "LATEST"
 SUMS = "checksums.json"  # {"files": {name: [size, CRC-32]}, "crc32": of the files' JSON}
+METADATA = ".metadata"  # DCP's index of the shards (its name in torch's filesystem.py)
 _CHUNK = 16 << 20  # CRC read size
+_STEP = re.compile(r"step-\d+(\.1)?")  # what LATEST names (see _folder_name)
+_SHARD = re.compile(r"__\d+_\d+\.distcp")  # DCP's shard files
+
+
+class RefusedFile(ValueError):
+    """A file of a sharded checkpoint that is not read: damaged, or asking for more than a
+    checkpoint holds (the message names it and why)."""
 
 
 def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
@@ -61,9 +82,9 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     group = checkpoint_group()
     _barrier()
     if not async_save:
-        with warnings.catch_warnings():  # as in load
+        with warnings.catch_warnings(), _naming_os_errors(target):  # as in load
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save(state, checkpoint_id=str(target), no_dist=not _grouped(),
+            dcp.save(state, storage_writer=_writer(target), no_dist=not _grouped(),
                      process_group=group)
         _record_sums(target)
         _publish(root, target.name)
@@ -73,13 +94,17 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     # results) run while training's run on the default group.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        # DCP's own writer: given one, async_save stages through it instead of its default
+        # stager (which FSDP2's DTensors need), so another rank's failed write stays
+        # DCP's error there; the rank whose write failed names the errno (finish).
         pending = dcp.async_save(state, checkpoint_id=str(target), no_dist=not _grouped(),
                                  process_group=group)
     done: Future[None] = Future()
 
     def finish(fut: Any) -> None:
         try:
-            fut.result()
+            with _naming_os_errors(target):
+                fut.result()
             _record_sums(target)
             _publish(root, target.name)
             _barrier()  # (on DCP's thread, still the group's only user)
@@ -91,34 +116,102 @@ def save(folder: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     return done
 
 
+@contextmanager
+def _naming_os_errors(target: Path) -> Iterator[None]:
+    """Raise the ``OSError`` under DCP's errors (a full disk: ENOSPC, "No space left on
+    device") naming ``target``.
+
+    ``torch.save`` turns a failed write into "[enforce fail at inline_container.cc]
+    unexpected pos", naming no file and no errno, and DCP wraps that in its
+    ``CheckpointException``; the ``OSError`` is still there, as the context of torch's
+    error (``failures`` holds each rank's).
+    """
+    try:
+        yield
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        cause = _os_error_in(exc)
+        if cause is None or cause.errno is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(target)) from exc
+
+
+def _writer(target: Path) -> Any:
+    """DCP's ``FileSystemWriter`` of ``target`` whose failed write raises the ``OSError``
+    naming ``target`` on the rank it failed on: DCP hands each rank's error to the others
+    pickled, which drops the ``OSError`` that torch's error holds as its context."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class NamingWriter(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            with _naming_os_errors(target):
+                return super().write_data(plan, planner)
+
+    return NamingWriter(target)
+
+
+def _os_error_in(exc: BaseException | None, depth: int = 0) -> OSError | None:
+    """The first ``OSError`` in ``exc``, its causes and contexts, and DCP's ``failures``."""
+    if exc is None or depth > 16:
+        return None
+    if isinstance(exc, OSError):
+        return exc
+    failures = getattr(exc, "failures", None)
+    inner = [f[0] if isinstance(f, tuple) else f for f in (
+        failures.values() if isinstance(failures, dict) else ())]
+    for candidate in (*inner, exc.__cause__, exc.__context__):
+        if isinstance(candidate, BaseException) and (
+                found := _os_error_in(candidate, depth + 1)) is not None:
+            return found
+    return None
+
+
 def _folder_name(root: Path, step: int) -> str:
     """``step-<step>``, or ``step-<step>.1`` when ``LATEST`` names that, as the coordinator
     reads it: the same name on every rank (a broadcast)."""
     name: list[str | None] = [None]
     if _coordinator():
         base = f"step-{step}"
-        name = [base + ".1" if latest(root) == base else base]
+        try:
+            current = latest(root)
+        except RefusedFile:  # a damaged LATEST names nothing; this save replaces it
+            current = None
+        name = [base + ".1" if current == base else base]
     if _grouped():
         dist.broadcast_object_list(name, src=0, group=checkpoint_group())
     return str(name[0])
 
 
 def latest(folder: str | os.PathLike[str]) -> str | None:
-    """The name of the newest complete checkpoint in ``folder`` (``step-<n>``), or None."""
+    """The name of the newest complete checkpoint in ``folder`` (``step-<n>``), or None
+    when there is no ``LATEST`` file.
+
+    Raises:
+        RefusedFile: a ``LATEST`` that names no step folder (damaged: not ASCII, empty, or
+            a path, which would lead the load out of the folder).
+    """
+    path = Path(folder) / LATEST
     try:
-        return (Path(folder) / LATEST).read_text().strip() or None
+        data = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        raise RefusedFile(f"{path}: unreadable: {exc}") from exc
+    name = data.decode("ascii", errors="replace").strip()
+    if not _STEP.fullmatch(name):
+        raise RefusedFile(f"{path}: damaged: holds {data[:40]!r}, not the name of a step "
+                          f"folder (step-<n>)")
+    return name
 
 
 def load(folder: str | os.PathLike[str], state: dict[str, Any]) -> int:
     """Fill the whole tensors of ``state`` in place from the checkpoint ``LATEST`` names
     (DCP reshards the ranks' shards into them); returns its step. Every rank that calls it
-    reads on its own (no collective). The files are not checked here: ``damaged_file``
-    checks them all.
+    reads on its own (no collective). The files' checksums are not checked here:
+    ``damaged_file`` checks them all; DCP's index is read by ``read_metadata``.
 
     Raises:
         FileNotFoundError: no complete checkpoint in ``folder``.
+        RefusedFile: a damaged ``LATEST``, or an index that asks for more than shards.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -128,10 +221,103 @@ def load(folder: str | os.PathLike[str], state: dict[str, Any]) -> int:
         raise FileNotFoundError(f"path: no complete sharded checkpoint in {str(root)!r} (no "
                                 f"{LATEST} file); expected a folder written by fitdp "
                                 f"with strategy='fsdp'")
+    reader = _checked_reader(root / name)
     with warnings.catch_warnings():  # one process is the intent, not a mistake to warn of
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(root / name), no_dist=True)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return int(name.removeprefix("step-").split(".")[0])
+
+
+# What DCP's index holds (torch.distributed.checkpoint.metadata's dataclasses, the storage
+# entries of its filesystem.py, and the torch values in them): the unpickler admits these
+# names and nothing else. BytesStorageMetadata is left out on purpose: DCP loads such an
+# entry with torch.load(weights_only=False), and fitdp writes tensors only.
+_DCP = "torch.distributed.checkpoint."
+_ADMITTED = {
+    (_DCP + "metadata", "Metadata"), (_DCP + "metadata", "TensorStorageMetadata"),
+    (_DCP + "metadata", "ChunkStorageMetadata"), (_DCP + "metadata", "TensorProperties"),
+    (_DCP + "metadata", "MetadataIndex"), (_DCP + "metadata", "StorageMeta"),
+    (_DCP + "metadata", "_MEM_FORMAT_ENCODING"), (_DCP + "filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` admitting only DCP's index types and torch dtypes (the recipe
+    of the ``pickle`` docs, "Restricting Globals")."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) not in _ADMITTED:
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, which is not part "
+                                         f"of DCP's index of shards")
+        return super().find_class(module, name)
+
+
+def read_metadata(step: str | os.PathLike[str]) -> Any:
+    """DCP's index of the shards of the step folder ``step`` (its ``Metadata``), read by an
+    unpickler that admits only DCP's index types, and checked to ask DCP for nothing but
+    tensors from this folder's shard files.
+
+    Raises:
+        RefusedFile: the file is missing, or holds anything else (the message names it).
+    """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorStorageMetadata,
+    )
+
+    path = Path(step) / METADATA
+    try:
+        with open(path, "rb") as f:
+            index = _IndexUnpickler(f).load()
+    except Exception as exc:  # a crafted or damaged pickle fails in many ways: all refused
+        raise RefusedFile(f"{path}: refused: {exc}") from exc
+    if type(index) is not Metadata or not isinstance(index.state_dict_metadata, dict) or (
+            not isinstance(index.storage_data, dict)):
+        raise RefusedFile(f"{path}: refused: not DCP's index of shards (Metadata)")
+    for key, entry in index.state_dict_metadata.items():
+        if not isinstance(key, str) or type(entry) is not TensorStorageMetadata:
+            raise RefusedFile(f"{path}: refused: entry {key!r} is not a tensor")
+    for where, info in index.storage_data.items():
+        if type(where) is not MetadataIndex or type(info) is not _StorageInfo or (
+                not isinstance(info.relative_path, str)
+                or not _SHARD.fullmatch(info.relative_path)):
+            raise RefusedFile(f"{path}: refused: a storage entry {info!r} that is not a "
+                              f"shard file (__<rank>_<n>.distcp) of this folder")
+        if info.transform_descriptors:  # fitdp writes plain torch.save records only
+            raise RefusedFile(f"{path}: refused: {info.relative_path} is read through "
+                              f"transforms {info.transform_descriptors!r}")
+    if index.storage_meta is not None and type(index.storage_meta) is not StorageMeta:
+        raise RefusedFile(f"{path}: refused: storage_meta is not DCP's StorageMeta")
+    return index
+
+
+def _checked_reader(step: Path) -> Any:
+    """DCP's ``FileSystemReader`` of ``step`` that hands DCP the index ``read_metadata``
+    read and checked (DCP's own ``read_metadata`` would ``pickle.load`` the file)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    index = read_metadata(step)
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("rank") is not None:  # a rank's own index: fitdp writes none
+                raise RefusedFile(f"{step}: no per-rank index is read")
+            if index.storage_meta is None:  # as DCP's reader does
+                index.storage_meta = StorageMeta()
+            index.storage_meta.load_id = self.load_id
+            return index
+
+    return CheckedReader(step)
 
 
 def _record_sums(target: Path) -> None:
@@ -172,8 +358,9 @@ def file_sum(path: Path) -> list[int]:
 
 def damaged_file(step: str | os.PathLike[str]) -> str | None:
     """What is wrong with the checkpoint folder ``step`` (``folder/step-<n>``), naming the
-    file: a missing, damaged or foreign ``SUMS``, or a file it lists that is missing, of
-    another size or another CRC-32. None when every file is as saved."""
+    file: a missing, damaged or foreign ``SUMS``, a file it lists that is missing, of
+    another size or another CRC-32, or a file in the folder it does not list. None when
+    every file is as saved."""
     sums_path = Path(step) / SUMS
     try:
         files = _listed(json.loads(sums_path.read_text()))
@@ -194,6 +381,13 @@ def damaged_file(step: str | os.PathLike[str]) -> str | None:
             return f"{path}: missing ({SUMS} lists it, {size} bytes)"
         except OSError as exc:
             return f"{path}: unreadable: {exc}"
+    try:
+        extra = sorted(set(os.listdir(step)) - set(files) - {SUMS})
+    except OSError as exc:
+        return f"{step}: unreadable: {exc}"
+    if extra:
+        return (f"{Path(step) / extra[0]}: not written by the save ({SUMS} does not list "
+                f"it): a stray or copied-in file; a step folder holds exactly its files")
     return None
 
 

@@ -157,6 +157,8 @@ def device_share(job: Job, d: int) -> None:
         if job.in_turn:
             job.turn[d].set()  # also on failure: the next device never waits for ever
     if phases.backward and step.is_train:
+        if not step.keep_outputs:  # freed before backward, as a hand loop's outputs are
+            ex.outputs = None
         with ranges.backward:
             ex.backward(step.scale)
     metric = step.metric
@@ -273,6 +275,11 @@ class Step:
         # The one group, without buckets; with them, the batch's (made on first sight).
         self.group = mgr.execgrp if mgr.bucket_module is None else None
         self.samples = 0  # rows run so far, padding left out (a call's throughput reads it)
+        # A training step's outputs outlive backward only for a reader: its metric, the
+        # call's first-batch checks, or an MXNet-style caller's get_outputs (the default).
+        # Held, a causal LM's logits (GPT-2 124M, batch 4x128: 103 MB) stay through backward
+        # and into the next forward: +0.33 GB peak RSS over the hand loop (bench/hf_sizes.py).
+        self.keep_outputs = True
 
     def __call__(self, batch: DataBatch, *, zero_grad: bool = False, step: bool = False,
                  total_rows: int | torch.Tensor | None = None) -> None:

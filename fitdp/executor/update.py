@@ -63,6 +63,10 @@ class UpdateOptions:
         named: the reduce and the step in profiler ranges (``NamedUpdate``).
         cross_rank: the engine's cross-rank reduce runs in the update (False: the step
             summed the ranks' gradients itself, as the reproducible step does).
+        track_norm: every step takes the gradients' global norm before clipping, on the
+            device (``state.grad_norm``; clipping takes it anyway).
+        inspect: called with the optimizer after the reduce and the unscale, before
+            clipping and the step (``on_before_optimizer_step``), or None.
 
     Example:
         >>> UpdateOptions(clip_norm=1.0) == UpdateOptions(clip_norm=1.0)  # one kept update
@@ -74,6 +78,8 @@ class UpdateOptions:
     clip_norm: float | None = None
     named: bool = False
     cross_rank: bool = True
+    track_norm: bool = False
+    inspect: Callable[[torch.optim.Optimizer], None] | None = None
 
 
 def new_update(options: UpdateOptions, flat: FlatBuckets | None,
@@ -83,6 +89,27 @@ def new_update(options: UpdateOptions, flat: FlatBuckets | None,
     trainable parameters ``masters``, stepping through ``engine`` (see ``Update``)."""
     kind = NamedUpdate if options.named else Update
     return kind(flat, masters, options, engine=engine, before_step=before_step)
+
+
+class StepState:
+    """What the last optimizer step saw, read-only, on the device: nothing here syncs with
+    the host; whoever reads a value as a number (``float(state.grad_norm)``) pays that sync,
+    at a log point (``fitdp.callbacks.GradNormLogger``).
+
+    Attributes:
+        grad_norm: the global L2 norm of the reduced, unscaled gradients before clipping (a
+            0-d tensor on device 0), or None unless the step was bound to track it or clips.
+        skipped: a 16-mixed step skipped for an inf or NaN gradient (a 0-d bool tensor), or
+            None without a ``GradScaler``.
+        lr: the first parameter group's learning rate the step used, or None before a step.
+        steps: optimizer steps taken by this update.
+    """
+
+    def __init__(self) -> None:
+        self.grad_norm: torch.Tensor | None = None
+        self.skipped: torch.Tensor | None = None
+        self.lr: float | None = None
+        self.steps = 0
 
 
 class Update:
@@ -113,6 +140,10 @@ class Update:
                  before_step: list[Callable[[], None]] | None = None) -> None:
         options = options if options is not None else UpdateOptions()
         self.flat = flat
+        # What the step saw (``StepState``); the norm is taken when asked for or clipping.
+        self.state = StepState()
+        self.track_norm = options.track_norm
+        self.inspect = options.inspect
         self.masters = list(masters)
         optimizer = options.optimizer
         self.optimizer, self.scaler, self.clip_norm = optimizer, options.scaler, \
@@ -176,10 +207,20 @@ class Update:
         optimizer, scaler = self.optimizer, self.scaler
         if optimizer is None:
             return  # an update that only zeroes
+        state = self.state
         if scaler is not None:
             scaler.unscale_(optimizer)
-        if self.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.clipped, self.clip_norm)
+            found = scaler._found_inf_per_device(optimizer)  # noqa: SLF001 (device tensors)
+            state.skipped = sum(found.values()) > 0 if found else None  # type: ignore[assignment]
+        if self.inspect is not None:  # on_before_optimizer_step: reduced and unscaled
+            self.inspect(optimizer)
+        if self.clip_norm is not None:  # its total is the norm before clipping
+            state.grad_norm = torch.nn.utils.clip_grad_norm_(self.clipped, self.clip_norm)
+        elif self.track_norm:
+            state.grad_norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in self.clipped if p.grad is not None])
+        state.lr = optimizer.param_groups[0]["lr"]
+        state.steps += 1
         with self.step_range:  # the executor's one call of the optimizer's step
             if self.engine_step is not None:
                 self.engine_step(self)

@@ -25,16 +25,16 @@ from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.metrics import MetricsArg
 from fitdp.compiled.optimizers import OptimizerArg
 from fitdp.compiled.setup import CompileArgs, Compiled
-from fitdp.data.sequence import PAD_VALUE, check_pad_args
+from fitdp.data.sequence import check_pad_args
 from fitdp.executor.checks import check_bucket_module
 from fitdp.executor.devices import DevicesArg
 from fitdp.executor.engines import Strategy
+from fitdp.executor.update import StepState
 from fitdp.model.extras import ModelExtras, keras_logs
 from fitdp.model.lr_finder import LRFinding
 from fitdp.model.saving import ModelIO
 from fitdp.model.steps import KerasSteps
 from fitdp.saving.async_writer import AsyncCheckpointWriter
-from fitdp.saving.entries import RNG
 
 
 class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
@@ -108,6 +108,16 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         """Whether the replicas in use shard the weights across ranks (``strategy="fsdp"``):
         saving then gathers them, a collective every rank must join."""
         return self._replicas is not None and self._replicas.shards_weights
+
+    @property
+    def step_state(self) -> StepState | None:
+        """During ``fit``, what its last optimizer step saw, read-only and on the device
+        (``grad_norm`` before clipping when a callback logs it or the fit clips,
+        ``skipped`` for an inf gradient under 16-mixed, ``lr``, ``steps``); None outside
+        ``fit``. Reading a tensor of it as a number syncs with the device: do it at log
+        points (``Callback.params["log_every"]``)."""
+        session = self._session
+        return session.step_state if session is not None else None
 
     @property
     def lr_scheduler(self) -> Any:
@@ -189,7 +199,8 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             work_load_list: Sequence[float] | str | None = None, seed: int | None = None,
             monitor: Monitor | None = None, resume: Any = None, log_every: int = 50,
             timeout: float = DEFAULT_TIMEOUT, reproducible: bool = False,
-            micro_batch_size: int | None = None, **legacy: Any) -> History:
+            micro_batch_size: int | None = None,
+            collate_fn: Callable[[list[Any]], Any] | None = None, **legacy: Any) -> History:
         """Train for ``epochs`` epochs; returns the ``History`` (see docs/api.md and Keras's fit).
 
         The arguments up to ``validation_freq`` may be given by position, in Keras's order
@@ -200,7 +211,10 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         wait under torch.distributed before every rank fails. ``reproducible=True`` with
         ``micro_batch_size=k``: weights, optimizer state, logs and predictions bitwise the
         same on any devices, work loads and world size (the global batch fixed), at a cost
-        (docs/reproducible.md).
+        (docs/reproducible.md). ``collate_fn``: how the rows of a ``Dataset``, a list of rows
+        or a Hugging Face ``datasets.Dataset`` become one batch, for ``x`` and
+        ``validation_data`` (``Trainer(data_collator=)``: a ``DataCollatorWithPadding``, or
+        any callable; docs/huggingface.md).
         """
         compiled = self._require_compiled("fit")
         compiled.trainable(self.module)
@@ -213,7 +227,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             validation_batch_size=validation_batch_size, validation_freq=validation_freq,
             devices=devices, work_load_list=work_load_list, seed=seed, monitor=monitor,
             resume=resume, log_every=log_every, timeout=timeout, reproducible=reproducible,
-            micro_batch_size=micro_batch_size)
+            micro_batch_size=micro_batch_size, collate_fn=collate_fn)
         run, cbs = self.run, plan.callbacks
         self._trained_on = plan.source.plan()  # export's batch and sequence axes
         self._averaging = next((cb for cb in cbs if isinstance(cb, WeightAveraging)), None)
@@ -227,7 +241,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             cbs.call("on_train_begin", logs)
             if saved is not None:
                 cbs.load_state_dict(saved.get("callbacks") or {})
-                RNG.load_state_dict(saved["rng"])  # last: nothing above may draw from it
+                session.rng.load_state_dict(saved["rng"])  # last: nothing above may draw
             for epoch in range(run.next_epoch, plan.epochs):
                 run.begin_epoch(epoch)
                 cbs.call("on_epoch_begin", epoch, {})
@@ -252,16 +266,18 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
                  verbose: int | str = "auto", sample_weight: Any = None,
                  steps: int | None = None, callbacks: Sequence[Callback] | None = None,
                  return_dict: bool = True, *, devices: DevicesArg = "auto",
-                 work_load_list: Sequence[float] | str | None = None, **legacy: Any
+                 work_load_list: Sequence[float] | str | None = None,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, **legacy: Any
                  ) -> dict[str, float] | list[float] | float:
         """Loss and every metric over the data, from its start: ``{"loss": ...,
         "<metric>": ...}`` (exact over every rank under torch.distributed). With
-        ``return_dict=False``, Keras's form: the loss alone, or ``[loss, *metrics]``."""
+        ``return_dict=False``, Keras's form: the loss alone, or ``[loss, *metrics]``.
+        ``collate_fn`` as in ``fit``."""
         compiled = self._require_compiled("evaluate")
         plan = plan_call(self, legacy_data(x, legacy, "evaluate"), y, sample_weight,
                          batch_size=batch_size, verbose=verbose, callbacks=callbacks,
                          steps=steps, devices=devices, has_labels=True,
-                         work_load_list=work_load_list)
+                         work_load_list=work_load_list, collate_fn=collate_fn)
         with self._call(plan, compiled) as session:
             logs = session.test_pass(plan.source, plan.callbacks, plan.steps)
         return keras_logs(logs, compiled, return_dict)
@@ -269,16 +285,20 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
     def predict(self, x: Any = None, batch_size: int = 32, verbose: int | str = 0,
                 steps: int | None = None, callbacks: Sequence[Callback] | None = None, *,
                 devices: DevicesArg = "auto", work_load_list: Sequence[float] | str | None = None,
-                pad_value: float = PAD_VALUE, ragged: bool = False, **legacy: Any) -> Any:
+                pad_value: float | None = None, ragged: bool = False,
+                collate_fn: Callable[[list[Any]], Any] | None = None, **legacy: Any) -> Any:
         """Outputs for every sample, one row per input sample, in input order, on the CPU
         (under torch.distributed: all rows, on every rank). Needs no compile. Outputs of
         several lengths (a per-token tagger over buckets) are padded at their end with
-        ``pad_value`` to the longest; ``ragged=True`` returns a list of per-sample outputs."""
+        ``pad_value`` to the longest (None: 0.0, or -100 for a transformers ``ModelOutput``,
+        as Trainer pads predictions); ``ragged=True`` returns a list of per-sample outputs.
+        A module's ``ModelOutput`` comes back as its class, the per-row fields joined.
+        ``collate_fn`` as in ``fit``."""
         check_pad_args(pad_value, ragged)
         plan = plan_call(self, legacy_data(x, legacy, "predict"), None, None,
                          batch_size=batch_size, verbose=verbose, callbacks=callbacks,
                          steps=steps, devices=devices, has_labels=False,
-                         work_load_list=work_load_list)
+                         work_load_list=work_load_list, collate_fn=collate_fn)
         with self._call(plan, self._compiled) as session:
             return session.predict_pass(plan.source, plan.callbacks, plan.steps,
                                         pad_value=pad_value, ragged=ragged)

@@ -144,17 +144,18 @@ class ModelIO:
         objects["run"] = self.run
         session = self._session
         if session is not None and isinstance(session.plan, FitPlan):
-            objects["data"] = session.data_position()
+            objects["data"] = session.position
             objects["logs"] = session.epoch_logs
             objects["callbacks"] = session.plan.callbacks
-        objects["rng"] = RNG
+        objects["rng"] = session.rng if session is not None else RNG
         return objects
 
     def share_epoch_logs(self) -> None:
         """Under torchrun, gather every rank's running loss sums and metric states of the
-        epoch, so that a ``save`` right after (rank 0's) holds them all and a resume in the
-        middle of the epoch logs the uninterrupted numbers; and the optimizer state where
-        each rank holds a part of it (``strategy="zero1"``). A collective: call it on every
+        epoch, its random generators and data position, so that a ``save`` right after (rank
+        0's) holds them all and a resume on as many ranks logs and draws as the
+        uninterrupted run; and the optimizer state where each rank holds a part of it
+        (``strategy="zero1"``). A collective: call it on every
         rank (``ModelCheckpoint`` and ``BackupAndRestore`` do before each save). One
         process, or outside a fit's epoch: nothing to do for the logs."""
         if self._replicas is not None:
@@ -162,6 +163,8 @@ class ModelIO:
         session = self._session
         if session is not None and isinstance(session.plan, FitPlan):
             session.epoch_logs.share()
+            session.rng.share()  # and every rank's generators and data position
+            session.position.share()
 
     def save(self, path: str | os.PathLike[str], *, async_save: bool = False,
              sharded: bool | None = None) -> None:

@@ -38,7 +38,8 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
         The temporary file, open for reading and writing (binary, seekable).
 
     Raises:
-        OSError: creating, writing, syncing or renaming failed; nothing is left behind.
+        OSError: creating, writing, syncing or renaming failed (naming ``path`` when the
+            failed call named no file: a full disk is errno ENOSPC); nothing is left behind.
 
     Example:
         >>> with atomic_write("notes.bin") as f:
@@ -60,11 +61,14 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
             os.fsync(f.fileno())
         old = _hold_old_file(path)
         os.replace(tmp, path)
-    except BaseException:  # KeyboardInterrupt too: never leave a temp file behind
+    except BaseException as exc:  # KeyboardInterrupt too: never leave a temp file behind
         if old is not None:
             os.close(old)
         with suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:
+            # A failed write names no file (a full disk: "No space left on device").
+            raise OSError(exc.errno, exc.strerror, path) from exc
         raise
     try:
         fsync_folder(folder)

@@ -104,6 +104,85 @@ def _rng_problem(state: Any, checkpoint: Mapping[str, Any]) -> str | None:
 RNG = Entry(capture_rng_state, restore_rng_state, _rng_problem)
 
 
+class RankStates:
+    """A checkpoint entry whose state is each rank's own under torchrun: its generators
+    (``RNG``: ranks that draw different amounts, as dropout over batches of other lengths,
+    leave theirs in different states) and its data path's (the generator states a loader's
+    epoch is replayed from).
+
+    Rank 0 alone writes: ``share`` (run on every rank by the saving callbacks, through
+    ``model.share_epoch_logs``, before their save) gathers every rank's state, and the entry
+    saves rank 0's with every rank's under ``ranks``. Resumed on as many ranks, each rank
+    takes its own back; on another number of ranks (or from a save that ran on rank 0
+    alone, or one process), every rank takes rank 0's, and where the saved ranks' states
+    differed, rank 0 warns that they are not restored.
+
+    Example:
+        >>> from fitdp.call.ranks import Ranks
+        >>> box = {"n": 1}
+        >>> e = RankStates(Entry(lambda: dict(box), box.update), Ranks(rank=1, world_size=2))
+        >>> e.problem({"n": 0, "ranks": [{"n": 0}, {"n": 7}]}, {})  # (checks rank 1's part)
+        >>> e.load_state_dict({"n": 0, "ranks": [{"n": 0}, {"n": 7}]}); box
+        {'n': 7}
+    """
+
+    def __init__(self, entry: Any, ranks: Any, what: str = "") -> None:
+        self.entry, self.ranks, self.what = entry, ranks, what
+        self.shared: list[Any] | None = None  # every rank's state at the last share
+
+    def share(self) -> None:
+        """Every rank, before rank 0's save: gather every rank's state (a collective)."""
+        if self.ranks.enabled:
+            self.shared = self.ranks.gather_rows([_on_cpu(self.entry.state_dict())])
+
+    def state_dict(self) -> Any:
+        own = _on_cpu(self.entry.state_dict())
+        shared = self.shared
+        if not isinstance(own, Mapping) or shared is None or not _same(shared[0], own):
+            return own  # one process, or not shared as of now: rank 0's alone
+        return {**own, "ranks": shared}
+
+    def _part(self, state: Any) -> Any:
+        """This rank's part of ``state``: its own on as many ranks, else rank 0's."""
+        if not isinstance(state, Mapping):
+            return state
+        parts = state.get("ranks")
+        if isinstance(parts, list) and len(parts) == self.ranks.world_size:
+            return parts[self.ranks.rank]
+        return {k: v for k, v in state.items() if k != "ranks"}
+
+    def problem(self, state: Any, checkpoint: Mapping[str, Any]) -> str | None:
+        check = getattr(self.entry, "problem", None)
+        return check(self._part(state), checkpoint) if check is not None else None
+
+    def load_state_dict(self, state: Any) -> None:
+        parts = state.get("ranks") if isinstance(state, Mapping) else None
+        saved = len(parts) if isinstance(parts, list) else 1
+        if (saved != self.ranks.world_size and self.ranks.is_main and isinstance(parts, list)
+                and any(not _same(p, parts[0]) for p in parts)):
+            warnings.warn(
+                f"resume: the checkpoint holds the {self.what} of {saved} ranks, which "
+                f"differ, and this run has {self.ranks.world_size}: every rank starts from "
+                f"rank 0's, so random draws (dropout, augmentation) are not the saved run's. "
+                f"Fix: resume on {saved} ranks to continue it exactly (docs/checkpoints.md).",
+                FitdpWarning, stacklevel=2)
+        self.entry.load_state_dict(self._part(state))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal trees of states (tensors by value)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, Mapping):
+        return isinstance(b, Mapping) and a.keys() == b.keys() and all(
+            _same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(_same(u, v) for u, v in zip(a, b)))
+    return bool(a == b)
+
+
 class EpochLogs:
     """The training epoch's running loss sums, metric states and a custom step's other logs,
     as a checkpoint entry: a resume in the middle of an epoch goes on with them, so the

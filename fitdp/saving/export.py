@@ -135,6 +135,11 @@ def export_module(
 def load_predictor(path: str | os.PathLike[str]) -> Predictor:
     """Load a ``.pt2`` file written by ``model.export`` or ``torch.export.save``.
 
+    Load only files you trust: a ``.pt2`` is a program. ``torch.export.load`` unpickles
+    weights the archive marks as pickled with ``weights_only=False``, evaluates its shape
+    expressions with sympy, and the graph calls the functions it names (docs/export.md,
+    "Loading a .pt2 runs what it holds").
+
     Args:
         path: the file.
 

@@ -45,7 +45,14 @@ def write_sealed(f: IO[bytes], obj: Any) -> None:
         obj: what torch.save writes.
     """
     stream = _RecordStream(f, crcs=not _torch_writes_crcs())
-    torch.save(obj, cast(IO[bytes], stream))  # write+flush suffice
+    try:
+        torch.save(obj, cast(IO[bytes], stream))  # write+flush suffice
+    except RuntimeError:
+        # torch reports a failed write (a full disk) as "[enforce fail at
+        # inline_container.cc] unexpected pos", naming neither the errno nor the cause.
+        if stream.error is None:
+            raise
+        raise stream.error from None
     f.flush()
     _fill_record_crcs(f, stream.crcs)
     seal(f)
@@ -68,24 +75,33 @@ class _RecordStream:
         self.take_crcs = crcs
         self.pos = self.flushed = f.tell()
         self.crcs: dict[int, tuple[int, int]] = {}  # offset -> (size, CRC-32)
+        self.error: OSError | None = None  # the failed write torch.save's error hides
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
         size = view.nbytes
         if self.take_crcs and size >= _CRC_PASSING:
             self.crcs[self.pos] = (size, zlib.crc32(view))  # releases the GIL
-        self.f.write(view)
-        self.pos += size
-        if self.pos - self.flushed >= _WRITEBACK and hasattr(os, "posix_fadvise"):
-            self.f.flush()
-            # DONTNEED on dirty pages starts their writeback without waiting for it.
-            os.posix_fadvise(self.f.fileno(), self.flushed, self.pos - self.flushed,
-                             os.POSIX_FADV_DONTNEED)
-            self.flushed = self.pos
+        try:
+            self.f.write(view)
+            self.pos += size
+            if self.pos - self.flushed >= _WRITEBACK and hasattr(os, "posix_fadvise"):
+                self.f.flush()
+                # DONTNEED on dirty pages starts their writeback without waiting for it.
+                os.posix_fadvise(self.f.fileno(), self.flushed, self.pos - self.flushed,
+                                 os.POSIX_FADV_DONTNEED)
+                self.flushed = self.pos
+        except OSError as exc:
+            self.error = exc
+            raise
         return size
 
     def flush(self) -> None:
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as exc:
+            self.error = exc
+            raise
 
 
 def _fill_record_crcs(f: IO[bytes], passed: dict[int, tuple[int, int]]) -> None:

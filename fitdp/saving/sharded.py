@@ -12,10 +12,13 @@ Layout (``fitdp.executor.sharded_io``), ``<n>`` the global step::
     path/step-<n>/checksums.json  size and CRC-32 of each file above, written last
 
 Loading checks every file against ``checksums.json`` first (a ``CheckpointError`` naming
-the file, before anything is read into the model), then reads the reference file and the
-shards as whole tensors (DCP reshards them to any layout), so the loaded dict is the one an
-unsharded checkpoint holds: it loads on any world size and into one process, through the
-same checks.
+the file, before anything is read into the model; a file it does not list is refused too),
+then reads the reference file and the shards as whole tensors (DCP reshards them to any
+layout), so the loaded dict is the one an unsharded checkpoint holds: it loads on any world
+size and into one process, through the same checks. No byte of the folder is unpickled by
+anything that can run code: the reference file by ``torch.load(weights_only=True)``, DCP's
+``.metadata`` by an unpickler admitting only DCP's index types, the shards by DCP's
+``torch.load(weights_only=True)`` (``sharded_io.read_metadata``).
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ SHARDED_ENTRIES = ("module", "optimizer")  # the entries whose tensors DCP write
 
 
 def is_sharded(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a folder holding a complete sharded checkpoint."""
-    return sharded_io.latest(path) is not None
+    """Whether ``path`` is a folder holding a sharded checkpoint: its ``LATEST`` file names
+    the newest complete step (a damaged ``LATEST`` too: loading it says what is wrong)."""
+    return os.path.isfile(os.path.join(path, sharded_io.LATEST))
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -56,10 +60,17 @@ def existing_checkpoint(name: str, path: Any) -> str:
     """``path`` as a string naming a checkpoint to read: a file, or a sharded folder.
 
     Raises:
-        TypeError: not a path. FileNotFoundError: nothing there. ValueError: a folder that
-            holds no complete sharded checkpoint, or a special file.
+        TypeError: not a path. FileNotFoundError: nothing there. ValueError: a folder of
+            something else, or a special file. CheckpointError: a folder of step folders
+            without ``LATEST`` (what a first save that did not finish leaves).
     """
     if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        steps = sorted(e for e in os.listdir(path) if e.startswith("step-"))
+        if not is_sharded(path) and steps:
+            raise CheckpointError(
+                f"{os.fspath(path)}: no complete sharded checkpoint: no {sharded_io.LATEST} "
+                f"file names one, so {steps[0]} is what a save that did not finish (killed, "
+                f"or failed) left; resume from an earlier checkpoint")
         if not is_sharded(path):
             fail(name, os.fspath(path), "a checkpoint file, or a folder holding a complete "
                  f"sharded checkpoint (a {sharded_io.LATEST} file)", "pass the checkpoint "
@@ -107,18 +118,18 @@ def load_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
     calls it, with no collective).
 
     Raises:
-        CheckpointError: no complete checkpoint, or one of its files is missing or damaged
-            (the message names it; checked before any tensor is read).
+        CheckpointError: no complete checkpoint, or one of its files is missing, damaged,
+            not listed in its checksums, or asks for more than tensors (the message names
+            it; checked before any tensor is read).
     """
-    name = sharded_io.latest(path)
-    if name is None:
-        raise CheckpointError(f"{os.fspath(path)}: not a sharded checkpoint (no "
-                              f"{sharded_io.LATEST} file)")
-    _check_files(os.path.join(path, name))
-    rest = load_checkpoint(os.path.join(path, name, REST))
+    step = _checked_step(path)
+    rest = load_checkpoint(os.path.join(step, REST))
     shards: dict[str, torch.Tensor] = {}
     _collect(rest, shards)
-    sharded_io.load(path, shards)
+    try:
+        sharded_io.load(path, shards)
+    except sharded_io.RefusedFile as exc:  # a LATEST replaced since _checked_step read it
+        raise CheckpointError(str(exc)) from exc
     return _join(rest, shards)
 
 
@@ -135,18 +146,31 @@ def verify_sharded(path: str | os.PathLike[str]) -> None:
         FileNotFoundError: no sharded checkpoint there. CheckpointError: a damaged one (the
             message names the file).
     """
-    name = sharded_io.latest(path)
-    if name is None:
+    if not is_sharded(path):
         raise FileNotFoundError(f"{os.fspath(path)}: no sharded checkpoint")
-    step = os.path.join(path, name)
-    _check_files(step)
-    load_checkpoint(os.path.join(step, REST))
+    load_checkpoint(os.path.join(_checked_step(path), REST))
 
 
-def _check_files(step: str) -> None:
-    problem = sharded_io.damaged_file(step)
-    if problem is not None:
-        raise CheckpointError(problem)
+def _checked_step(path: str | os.PathLike[str]) -> str:
+    """The step folder ``LATEST`` names, once its files match their checksums (exactly
+    those files) and DCP's index reads as one (``sharded_io.read_metadata``).
+
+    Raises:
+        CheckpointError: naming the first file that does not.
+    """
+    try:
+        name = sharded_io.latest(path)
+        if name is None:
+            raise CheckpointError(f"{os.fspath(path)}: not a sharded checkpoint (no "
+                                  f"{sharded_io.LATEST} file)")
+        step = os.path.join(path, name)
+        problem = sharded_io.damaged_file(step)
+        if problem is not None:
+            raise CheckpointError(problem)
+        sharded_io.read_metadata(step)
+    except sharded_io.RefusedFile as exc:
+        raise CheckpointError(str(exc)) from exc
+    return step
 
 
 def remove_checkpoint(path: str) -> None:

@@ -27,7 +27,9 @@ def test_fit_order_with_validation():
     cb = MagicMock(spec=Callback)
     model.fit(x, y, batch_size=4, epochs=2, validation_data=(x[:6], y[:6]), callbacks=[cb],
               verbose=0)
-    epoch = (["on_epoch_begin"] + ["on_train_batch_begin", "on_train_batch_end"] * 3
+    # on_before_optimizer_step inside the batch, before its end (Lightning's order)
+    epoch = (["on_epoch_begin"] + ["on_train_batch_begin", "on_before_optimizer_step",
+                                   "on_train_batch_end"] * 3
              + ["on_test_begin"] + ["on_test_batch_begin", "on_test_batch_end"] * 2
              + ["on_test_end", "on_epoch_end"])
     assert hook_names(cb) == ["on_train_begin", *epoch, *epoch, "on_train_end"]

@@ -111,3 +111,37 @@ def test_stop_ends_a_profile_left_by_a_fit_that_raised(tmp_path):
         m.fit(x, y, batch_size=16, verbose=0, callbacks=[prof])
     prof.stop()
     assert not torch.autograd._profiler_enabled()
+
+
+TWO_PROFILERS = """
+import sys, torch, fitdp
+from torch import nn
+from fitdp.callbacks import Profiler
+torch.manual_seed(0)
+m = fitdp.Model(nn.Linear(4, 2))
+m.compile("sgd", "cross_entropy")
+x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+before = [p.clone() for p in m.module.parameters()]
+try:
+    m.fit(x, y, batch_size=8, verbose=0, callbacks=[Profiler(sys.argv[1] + "/a"),
+                                                    Profiler(sys.argv[1] + "/b")])
+except ValueError as err:
+    print(err)
+print("unchanged", m.global_step == 0 and all(
+    torch.equal(a, b) for a, b in zip(before, m.module.parameters())))
+"""
+
+
+def test_two_profilers_in_one_fit_are_refused_instead_of_a_segfault(tmp_path):
+    """Issue 37 item 9: two Profiler callbacks started two torch profiler sessions and the
+    process died with SIGSEGV (exit 139). Run in a child process so a crash cannot take
+    pytest with it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TWO_PROFILERS, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "callbacks: got 2 Profiler callbacks; expected at most one Profiler" in done.stdout
+    assert "unchanged True" in done.stdout
+    assert not list(tmp_path.iterdir())  # no trace folder made

@@ -130,3 +130,75 @@ def test_persistent_workers_are_refused_on_a_mid_epoch_resume_naming_num_workers
         model.fit(plain_loader(num_workers=2, persistent_workers=True), epochs=EPOCHS,
                   verbose=0, resume=str(tmp_path / "c-008.ckpt"))
     assert all(torch.equal(a, b) for a, b in zip(before, model.module.state_dict().values()))
+
+
+class Rows(torch.utils.data.Dataset):
+    """X and Y as a map-style Dataset (fitdp batches and shuffles it itself)."""
+
+    def __len__(self) -> int:
+        return len(X)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return X[i], Y[i]
+
+
+def test_a_shuffled_dataset_resumed_mid_epoch_1_keeps_epoch_1s_order(tmp_path):
+    """Regression (issue 37 item 2): a shuffled map-style Dataset resumed mid-epoch in epoch
+    1 replayed epoch 0's order (the restored epoch never reached fitdp's sampler)."""
+    def run(*callbacks: Callback, **kw) -> fitdp.Model:
+        model = make()
+        model.fit(Rows(), batch_size=BATCH, epochs=EPOCHS, seed=4, verbose=0,
+                  callbacks=list(callbacks), **kw)
+        return model
+
+    ckpt = ModelCheckpoint(str(tmp_path / "c-{step:03d}.ckpt"), save_freq=2)
+    reference = run()
+    with pytest.raises(KeyboardInterrupt):
+        run(ckpt, Crash(9))  # the checkpoint of step 8: 2 batches into epoch 1
+    assert_bitwise(run(ckpt, resume="latest"), reference)
+
+
+@pytest.mark.parametrize("at", [9, 3])
+def test_a_sampler_with_set_epoch_resumed_mid_epoch_gets_the_epoch_back(tmp_path, at):
+    """Regression (issue 37 item 2): a DataLoader whose sampler has set_epoch (as
+    DistributedSampler, which torch's docs say to call with the epoch before each one)
+    resumed in epoch 1 drew epoch 0's order: the loaded epoch is passed to the sampler."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    def loader() -> DataLoader:
+        ds = TensorDataset(X, Y)
+        return DataLoader(ds, batch_size=BATCH,
+                          sampler=DistributedSampler(ds, num_replicas=1, rank=0, seed=5))
+
+    assert_bitwise(interrupted_then_resumed(loader, tmp_path, at), fit(loader))
+
+
+@pytest.mark.parametrize("at", [3, 5])  # checkpoints 2 and 4 batches into epoch 0 of 2
+def test_a_stateful_dataloader_with_its_own_generator_resumed_in_epoch_0_shuffles_epoch_1_as_before(
+        tmp_path, at):
+    """Regression (issue 37 item 3): StatefulDataLoader(generator=g) resumed in epoch 0 of 2
+    drew epoch 1's order from g freshly seeded: torchdata's single-process state does not
+    carry g past the epoch, so fitdp saves g as it does for a plain DataLoader's."""
+    def loader() -> DataLoader:
+        return stateful_loader(generator=torch.Generator().manual_seed(3))
+
+    assert_bitwise(interrupted_then_resumed(loader, tmp_path, at), fit(loader))
+
+
+def test_a_stateful_dataloader_resumed_on_a_shorter_dataset_is_refused_before_any_step(
+        tmp_path):
+    """Regression (issue 37 item 11): a StatefulDataLoader checkpoint 4 batches into 48 rows
+    resumed on 16 rows trained, then failed with "generator raised StopIteration" after the
+    weights moved. The position is past the shorter data's end: refused at the door."""
+    with pytest.raises(KeyboardInterrupt):
+        fit(stateful_loader, tmp_path, Crash(5))  # the checkpoint of step 4
+    model = make()
+    before = [t.clone() for t in model.module.state_dict().values()]
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    short = StatefulDataLoader(TensorDataset(X[:16], Y[:16]), batch_size=BATCH, shuffle=True)
+    with pytest.raises(fitdp.CheckpointError, match=r"4 batches \(32 samples\) into epoch 0, "
+                       r"past the end of this fit's data, which has 16 samples"):
+        model.fit(short, epochs=EPOCHS, verbose=0, resume=str(tmp_path / "c-004.ckpt"))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.module.state_dict().values()))
+    assert model.global_step == 0

@@ -48,6 +48,8 @@ FORMS = [
     ("generator", lambda: ((fitdp.DataBatch(X, Y) for _ in range(2)), None), Kind.GENERATOR),
     ("BucketIterator", lambda: (fitdp.BucketIterator([[1, 2], [3]], [0, 1], batch_size=2),
                                 None), Kind.SOURCE),
+    ("list of row dicts", lambda: ([{"input_ids": X[i], "labels": Y[i]} for i in range(20)],
+                                   None), Kind.DATASET),
 ]
 
 
@@ -196,3 +198,50 @@ def test_reading_a_dataloader_starts_no_iterator():
     assert CountingLoader.iterators == 0
     assert [b.batch_size for b in source] == [5, 5, 5, 5]
     assert CountingLoader.iterators == 1
+
+
+def test_a_list_of_dicts_is_rows_and_trains_as_the_same_dataset() -> None:
+    """The list-of-dicts ambiguity, decided in ``KINDS``: each dict is one sample (as torch's
+    DataLoader and transformers' Trainer read a list), batched and shuffled as a Dataset of
+    the same dicts; not several inputs (a tuple) nor dict batches (a DataLoader)."""
+    rows = [{"input": X[i], "target": Y[i]} for i in range(20)]
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            return rows[i]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, input, target):
+            return {"loss": F.cross_entropy(self.lin(input), target), "logits": self.lin(input)}
+
+    def fit(x):
+        torch.manual_seed(0)
+        model = fitdp.Model(Net())
+        model.compile(optimizer="sgd", loss=None, lr=0.1)
+        return model, model.fit(x, batch_size=6, epochs=2, seed=1, verbose=0,
+                                devices=["cpu", "cpu"]).history
+
+    (a, ha), (b, hb) = fit(rows), fit(Rows())
+    assert ha == hb
+    assert all(torch.equal(p, q) for p, q in zip(a.module.parameters(), b.module.parameters()))
+
+
+def test_the_first_kind_whose_test_holds_is_the_datas() -> None:
+    """``KINDS`` is tried in order: a Hugging Face dataset (its stream is a torch
+    IterableDataset too) is read as one before the stream and Dataset entries."""
+    from fitdp.data.sources.make import KINDS
+
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"text": ["a", "b"], "input_ids": [[1], [2]]})
+    order = [k.kind for k in KINDS]
+    assert order.index(Kind.HF) < order.index(Kind.STREAM) < order.index(Kind.DATASET)
+    for x in (ds, ds.to_iterable_dataset()):
+        assert read_data(x, labels_optional=True).kind is Kind.HF
+        assert [k.kind for k in KINDS if k.test(x)][0] is Kind.HF

@@ -36,7 +36,8 @@ RANK = int(os.environ["RANK"])
 def run(name: str, make, data, loss_items, strategy, x=None) -> None:
     model = fitdp.Model(make())
     model.compile(OPTIMIZER, lr=LR, loss=None, loss_items=loss_items, strategy=strategy,
-                  forward_kwargs={"use_cache": False} if "gpt2" in name else None)
+                  forward_kwargs={"use_cache": False} if "gpt2" in name else None,
+                  metrics=["accuracy", "perplexity"] if "gpt2" in name else ["accuracy"])
     history = model.fit(data if x is None else x, batch_size=BATCH // 2, shuffle=False,
                         verbose=0)
     logs = model.evaluate(data, batch_size=BATCH // 2, verbose=0, return_dict=True)

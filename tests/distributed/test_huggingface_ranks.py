@@ -10,6 +10,7 @@ all-reduced over the ranks, so each rank's slice weighs its share of the global 
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.distributed
 
 def test_two_ranks_train_the_one_process_update_on_dict_batches(tmp_path):
     """DDP and FSDP2 on 2 ranks, BERT classification, GPT-2 with padding and token
-    classification, and GPT-2 from a DataLoader of dicts: allclose 1e-5 with the hand loop."""
+    classification, and GPT-2 from a DataLoader of dicts: allclose 1e-5 with the hand loop;
+    accuracy (per row, per labelled token, over the shifted pairs) and GPT-2's perplexity
+    exact over the ranks."""
     code, output, _ = launch("", tmp_path, limit=400, script=[WORKER, str(tmp_path)])
     assert code == 0, output[-3000:]
     runs = {f"{case}-{tag}": case for case in CASES for tag in ("ddp", "fsdp")}
@@ -33,11 +36,28 @@ def test_two_ranks_train_the_one_process_update_on_dict_batches(tmp_path):
         make, data_of, loss_items = CASES[case]
         ref = make()
         history, whole_loss, whole_logits = hand_loop(ref, data_of(), loss_items)
-        got = torch.load(tmp_path / f"{run}.pt", weights_only=False)
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(got["weights"][k], v, atol=1e-5, rtol=1e-5,
-                                       msg=f"{run}: {k}")
-        assert got["history"]["loss"] == pytest.approx(history, abs=1e-5), run
-        assert got["evaluate"]["loss"] == pytest.approx(whole_loss, abs=1e-5), run
-        torch.testing.assert_close(got["logits"], whole_logits, atol=1e-5, rtol=1e-5,
-                                   msg=run)
+        got = assert_saved_run(tmp_path / f"{run}.pt", ref, history, whole_loss, whole_logits)
+        # Token metrics over the ranks (issue 38): what the hand computes on the logits
+        logits, labels = got["logits"], data_of()["labels"]
+        if loss_items == "causal_lm":  # transformers' causal LM loss pairs them shifted
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        kept = labels != -100
+        accuracy = (logits.argmax(-1)[kept] == labels[kept]).float().mean().item()
+        assert got["evaluate"]["accuracy"] == pytest.approx(accuracy, abs=1e-6), run
+        if "perplexity" in got["evaluate"]:
+            assert got["evaluate"]["perplexity"] == pytest.approx(
+                math.exp(got["evaluate"]["loss"]), rel=1e-5), run
+
+
+def assert_saved_run(path, ref, history, loss, logits) -> dict:
+    """What rank 0 saved (weights, History, evaluate, predicted logits) equals the hand
+    loop's ``ref`` model and numbers (1e-5); returns it."""
+    got = torch.load(path, weights_only=False)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got["weights"][k], v, atol=1e-5, rtol=1e-5,
+                                   msg=f"{path}: {k}")
+    assert got["history"]["loss"] == pytest.approx(history, abs=1e-5), path
+    assert got["evaluate"]["loss"] == pytest.approx(loss, abs=1e-5), path
+    if logits is not None:
+        torch.testing.assert_close(got["logits"], logits, atol=1e-5, rtol=1e-5, msg=str(path))
+    return got

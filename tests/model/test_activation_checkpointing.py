@@ -4,11 +4,11 @@ the activations it would have kept), the blocks really recomputed, the module un
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fitdp
@@ -78,15 +78,61 @@ def test_dropout_inside_a_block_is_replayed_on_one_device():
     assert_same_weights(plain.module, ckpt.module)
 
 
-def test_dropout_inside_a_block_on_cpu_replicas_is_refused_before_training():
-    model = fitdp.Model(encoder(dropout=0.1))
-    model.compile("adam", "cross_entropy", activation_checkpointing=[Block])
-    before = copy.deepcopy(model.module.state_dict())
-    with pytest.raises(ValueError, match=r"activation_checkpointing.*Dropout\(p=0.1\)"):
-        model.fit(*data(), batch_size=8, verbose=0, devices=["cpu", "cpu"])
-    assert all(torch.equal(v, before[k]) for k, v in model.module.state_dict().items())
-    assert model.global_step == 0
-    assert not any("forward" in m.__dict__ for m in model.module.modules())
+def test_dropout_module_in_a_block_on_cpu_replicas_trains_as_without_checkpointing():
+    """Was refused: the replicas share the CPU generator, which a recompute resets."""
+    torch.manual_seed(3)
+    plain = trained(encoder(dropout=0.1), ["cpu", "cpu"])
+    torch.manual_seed(3)
+    ckpt = trained(encoder(dropout=0.1), ["cpu", "cpu"], activation_checkpointing=[Block])
+    assert_same_weights(plain.module, ckpt.module)
+    assert not any("forward" in m.__dict__ for m in ckpt.module.modules())
+
+
+class FunctionalDropout(nn.Module):
+    """A residual MLP block that draws through ``F.dropout`` (no ``nn.Dropout`` module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(F.dropout(torch.relu(self.a(x)), 0.3, self.training))
+
+
+def functional_fit(blocks: list | None, devices: list[str], epochs: int = 2,
+                   **fit_kw) -> fitdp.Model:
+    torch.manual_seed(0)
+    net = nn.Sequential(FunctionalDropout(), nn.Dropout(0.2), FunctionalDropout(),
+                        nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 16, generator=g), torch.randint(0, 3, (64,), generator=g)
+    model = fitdp.Model(net)
+    model.compile("adam", "cross_entropy", activation_checkpointing=blocks)
+    model.fit(x, y, batch_size=16, epochs=epochs, seed=0, shuffle=False, verbose=0,
+              devices=devices, **fit_kw)
+    return model
+
+
+def test_functional_dropout_block_on_cpu_replicas_is_exact_and_the_same_every_run():
+    """Issue 37 item 5: a block drawing through F.dropout on 2 CPU replicas trained weights
+    0.006-0.24 off the run without checkpointing, different every run (a recompute reset
+    the shared CPU generator while the other replica drew from it)."""
+    plain = functional_fit(None, ["cpu", "cpu"])
+    ckpt = functional_fit([FunctionalDropout], ["cpu", "cpu"])
+    again = functional_fit([FunctionalDropout], ["cpu", "cpu"])
+    assert_same_weights(plain.module, ckpt.module)
+    for name, value in ckpt.module.state_dict().items():
+        assert torch.equal(value, again.module.state_dict()[name]), name
+
+
+def test_checkpointed_random_blocks_in_reproducible_mode_are_bitwise_on_any_device_list():
+    """Issue 37 item 5 in reproducible mode: a recompute reset the CPU generator during
+    another replica's seeded forward (0.01 off one device)."""
+    one = functional_fit([FunctionalDropout], ["cpu"], 1, reproducible=True, micro_batch_size=4)
+    three = functional_fit([FunctionalDropout], ["cpu"] * 3, 1, reproducible=True,
+                           micro_batch_size=4, work_load_list=[1, 2, 1])
+    for name, value in one.module.state_dict().items():
+        assert torch.equal(value, three.module.state_dict()[name]), name
 
 
 @pytest.mark.parametrize("value,error,match", [
@@ -158,3 +204,36 @@ def test_tiny_bert_checkpointed_on_two_replicas_trains_the_same_weights(how):
     ckpt = bert_fit(net, activation_checkpointing=[BertLayer] if how == "compile" else None)
     assert_same_weights(plain.module, ckpt.module)
     assert len(runs) == 2 * 4 * 2 * 2  # 2 layers, 4 batches, 2 replicas, twice each
+
+
+def gpt2_fit(blocks: list | None, devices: list[str]) -> tuple[fitdp.Model, dict]:
+    """A tiny GPT2LMHeadModel from a config (no download; its dropouts 0.1) on a padded
+    batch with its own causal-LM loss."""
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2,
+                                     n_head=2)
+    torch.manual_seed(0)
+    net = transformers.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 40, (16, 8), generator=g)
+    mask = torch.ones_like(ids)
+    mask[::2, 5:] = 0  # every other row padded after 5 tokens
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    model = fitdp.Model(net)
+    model.compile("adamw", loss=None, loss_items="causal_lm", activation_checkpointing=blocks)
+    history = model.fit(batch, batch_size=8, epochs=2, seed=0, shuffle=False, verbose=0,
+                        devices=devices)
+    return model, history.history
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
+def test_gpt2_blocks_checkpointed_on_a_padded_batch_train_with_the_cache_off(devices):
+    """Issue 38 item 5: [GPT2Block] failed on its first batch (the recompute appended its keys
+    to the DynamicCache a second time; the error blamed the dict keys). transformers' own
+    checkpointing passes its layers use_cache=False and no cache (GradientCheckpointingLayer
+    in modeling_layers.py): so does fitdp's, and the weights are those of the plain run."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    plain, plain_logs = gpt2_fit(None, devices)
+    ckpt, ckpt_logs = gpt2_fit([GPT2Block], devices)
+    assert_same_weights(plain.module, ckpt.module)
+    assert ckpt_logs["loss"] == pytest.approx(plain_logs["loss"], rel=1e-6)

@@ -267,6 +267,12 @@ def test_a_mid_epoch_checkpoint_of_a_dict_fit_resumes_bitwise(tmp_path) -> None:
                             devices=["cpu", "cpu"], callbacks=callbacks, **kw).history
         return model, history
 
+    assert_resumes_bitwise(run, tmp_path)
+
+
+def assert_resumes_bitwise(run, tmp_path) -> None:
+    """``run(callbacks, **fit_kwargs) -> (model, history)`` stopped after its 4th batch and
+    resumed from its checkpoint ends with the uninterrupted run's weights and History."""
     reference, expected = run([])
     ckpt = str(tmp_path / "c-{step:03d}.ckpt")
     with pytest.raises(KeyboardInterrupt):
@@ -317,16 +323,17 @@ def test_an_unknown_loss_items_is_refused_at_compile() -> None:
 
 def test_a_batch_missing_a_key_the_forward_needs_names_it() -> None:
     """A batch without input_ids: the error names the missing input and the batch's keys;
-    the weights are unchanged."""
+    the weights are unchanged. (A key close to input_ids is a misspelling, refused before:
+    ``tests/model/test_hf_datasets.py``.)"""
     model = fitdp.Model(_classifier())
     model.compile(OPTIMIZER, lr=LR, loss=None)
     before = _state(model)
     data = classification_data()
-    data["input_idz"] = data.pop("input_ids")
+    data["tokens"] = data.pop("input_ids")
     message = r"input_ids.*dict batch is passed as module\(\*\*batch\)"
     with pytest.raises(ValueError, match=message) as info:
         model.fit(data, batch_size=BATCH, verbose=0, devices=["cpu", "cpu"])
-    assert "input_idz" in str(info.value)
+    assert "tokens" in str(info.value)
     _unchanged(model, before)
 
 

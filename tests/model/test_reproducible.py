@@ -234,6 +234,47 @@ def _trained() -> fitdp.Model:
     return model
 
 
+def _state(model: fitdp.Model) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+    return ({k: v.clone() for k, v in model.module.state_dict().items()},
+            model.optimizer.state_dict()["state"][0]["exp_avg"].clone(), model.global_step)
+
+
+def test_a_one_row_tail_micro_batch_with_batchnorm1d_is_refused_before_any_step():
+    """Issue 37 item 7: micro_batch_size=3, batch_size=24 on 64 rows ended the data in a
+    1-row micro-batch; BatchNorm1d died there after 2 steps with torch's raw "Expected more
+    than 1 value per channel when training". Now refused in planning, naming the argument
+    and a size that works; the suggested size then trains."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    model = fitdp.Model(mlp())
+    model.compile("adam", "cross_entropy")
+    model.fit(x, y, batch_size=16, verbose=0)  # optimizer state and statistics to keep
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"micro_batch_size: got 3; expected micro-batches of "
+                       r"2 rows or more for the BatchNorm1d '1'.*64 rows in micro-batches of "
+                       r"3 end in one of 1 row\. Fix: micro_batch_size=2 .* or the first 63 "
+                       r"rows") as err:
+        model.fit(x, y, batch_size=24, verbose=0, reproducible=True, micro_batch_size=3,
+                  devices=["cpu", "cpu"])
+    assert_same(_state(model), before)
+    with pytest.raises(ValueError, match=r"micro_batch_size: got 1;.*every micro-batch would "
+                       r"be 1 row"):
+        model.fit(x, y, batch_size=24, verbose=0, reproducible=True, micro_batch_size=1)
+    assert_same(_state(model), before)
+    suggested = int(str(err.value).split("Fix: micro_batch_size=")[1].split()[0])
+    model.fit(x, y, batch_size=24, verbose=0, reproducible=True, micro_batch_size=suggested)
+    assert model.global_step == before[2] + 3
+
+
+def test_a_one_row_tail_micro_batch_is_left_to_batchnorm2d_which_normalises_it():
+    """The control: images give BatchNorm2d values per channel in one row: 40 images in
+    micro-batches of 3 end in a 1-row micro-batch, and train."""
+    model = fitdp.Model(cnn())
+    model.compile("adam", "mse")
+    model.fit(IMAGES, TARGETS, batch_size=12, verbose=0, reproducible=True, micro_batch_size=3)
+    assert model.global_step == 4
+
+
 def test_a_model_with_its_own_train_step_is_refused():
     class Own(fitdp.Model):
         def train_step(self, data):

@@ -230,3 +230,47 @@ def test_a_mid_epoch_resume_with_a_keras_metric_name_logs_the_uninterrupted_numb
         keras_metric_model().fit(X, Y, callbacks=[ckpt, crash_after(crash_at)], **kw)
     resumed = keras_metric_model().fit(X, Y, callbacks=[ckpt], resume="latest", **kw)
     assert resumed.history == reference
+
+
+def _rows(kind: str, n: int) -> dict[str, Any]:
+    """The first ``n`` rows of X, Y as fit's arguments, as ``kind`` of data."""
+    x, y = torch.cat([X, X])[:n], torch.cat([Y, Y])[:n]
+    if kind == "tensors":
+        return {"x": x, "y": y, "batch_size": 8}
+    if kind == "dataset":
+        return {"x": torch.utils.data.TensorDataset(x, y), "batch_size": 8}
+    return {"x": DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)}
+
+
+@pytest.mark.parametrize("kind", ["tensors", "dataset", "loader"])
+def test_a_mid_epoch_checkpoint_is_refused_on_data_too_short_for_its_position(tmp_path, kind):
+    """Regression (issue 37 item 4): a checkpoint taken 2 batches into 64 rows resumed
+    silently on 10 rows (global_step 3, the old data's partial loss in History).
+    checkpoints.md promises the position is checked against this fit's data: refused,
+    naming both sizes, before anything changes."""
+    ckpt = ModelCheckpoint(str(tmp_path / "c-{step:03d}.ckpt"), save_freq=1)
+    with pytest.raises(KeyboardInterrupt):
+        stream_model().fit(**_rows(kind, 64), epochs=2, verbose=0,
+                           callbacks=[ckpt, crash_after(2)])
+    model = trained(stream_model())
+    before = snapshot(model)
+    with pytest.raises(fitdp.CheckpointError, match=r"data state does not fit.*2 batches "
+                       r"\(16 samples\) into epoch 0, past the end of this "
+                       r"fit's data, which has 10 samples"):
+        model.fit(**_rows(kind, 10), epochs=2, verbose=0, resume=str(tmp_path / "c-002.ckpt"))
+    assert_same(snapshot(model), before)
+    # Data long enough for the position resumes (the checkpoint itself is sound).
+    model.fit(**_rows(kind, 64), epochs=2, verbose=0, resume=str(tmp_path / "c-002.ckpt"))
+    assert model.global_step == 16
+
+
+def test_a_checkpoint_after_an_epochs_last_partial_batch_still_resumes(tmp_path):
+    """The position after a partial last batch (5 batches of 8 on 36 rows) is not past the
+    end of the same data: the check counts the rows the saved run had."""
+    ckpt = ModelCheckpoint(str(tmp_path / "c-{step:03d}.ckpt"), save_freq=1)
+    with pytest.raises(KeyboardInterrupt):
+        stream_model().fit(**_rows("tensors", 36), epochs=2, verbose=0,
+                           callbacks=[ckpt, crash_after(5)])
+    model = stream_model()
+    model.fit(**_rows("tensors", 36), epochs=2, verbose=0, resume=str(tmp_path / "c-005.ckpt"))
+    assert model.global_step == 10

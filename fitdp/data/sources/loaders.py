@@ -11,7 +11,7 @@ from torch.utils.data import IterableDataset
 from fitdp.checks import fail
 from fitdp.data.batch import DataBatch, tree_structure
 from fitdp.data.sources.convert import as_tensors
-from fitdp.data.sources.protocol import SourcePlan, position_problem
+from fitdp.data.sources.protocol import SourcePlan, past_end_problem, position_problem
 from fitdp.data.sources.tensors import epoch_generator, rebatched
 
 # A dict batch with a compile loss and no targets: the fix for a Hugging Face batch.
@@ -95,6 +95,10 @@ class LoaderSource:
         dataset = getattr(loader, "dataset", None)
         # the user's stream, duck-typed: set_epoch, state_dict, load_state_dict when it has them
         self.stream: Any = dataset if isinstance(dataset, IterableDataset) else None
+        try:  # (read once: the position is saved after every optimizer step)
+            self.num_samples = len(dataset) if dataset is not None else None  # type: ignore[arg-type]
+        except TypeError:
+            self.num_samples = None
         self._stream_state: Any = None  # where a resumed stream continues
 
     @property
@@ -105,22 +109,20 @@ class LoaderSource:
             return None
 
     def plan(self) -> SourcePlan:
-        dataset = getattr(self.loader, "dataset", None)
-        try:
-            n = len(dataset) if dataset is not None else None  # type: ignore[arg-type]
-        except TypeError:
-            n = None
-        return SourcePlan(num_samples=n, replayable=not self.one_shot)
+        return SourcePlan(num_samples=self.num_samples, replayable=not self.one_shot)
 
     def set_epoch(self, epoch: int) -> None:
-        sampler: Any = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        self.epoch = epoch
-        if callable(getattr(self.stream, "set_epoch", None)):
-            self.stream.set_epoch(epoch)
+        self._tell_epoch(epoch)
         if not self.one_shot:
             self.position, self._live = 0, None
+
+    def _tell_epoch(self, epoch: int) -> None:
+        """The epoch, to the sampler and the stream that draw their order from it (as
+        ``DistributedSampler``), at every epoch and at a resume into one."""
+        self.epoch = epoch
+        for owner in (getattr(self.loader, "sampler", None), self.stream):
+            if callable(getattr(owner, "set_epoch", None)):
+                owner.set_epoch(epoch)  # type: ignore[union-attr]
 
     def __iter__(self) -> Iterator[DataBatch]:
         if self._live is None:
@@ -142,6 +144,10 @@ class LoaderSource:
             self.loader.load_state_dict(saved["loader"])  # type: ignore[attr-defined]
             self.epoch_generators = saved.get("generators", [])
             batches = iter(self.loader)
+            # Its own generator (generator=g) as the stop left it: torchdata puts it back at
+            # the epoch's start and redraws the order, but not the draw of the workers' seed
+            # before it, so the next epoch would be drawn from another state.
+            _set_states(self.generators, saved.get("generators_now"))
             torch.set_rng_state(now)
             return batches
         elif skip and self.stream is None:  # replay the epoch's order from its start's states
@@ -206,6 +212,10 @@ class LoaderSource:
         problem = position_problem(state, ("epoch", "position"), "a DataLoader or iterable")
         if problem or not continues:
             return problem
+        if not self.one_shot and (problem := past_end_problem(
+                state, rows=state.get("batch_size"), samples=self.num_samples,
+                batches=self.num_batches)):
+            return problem
         self._check_workers(state)
         if self.stream is None or not state["position"]:
             return None
@@ -264,7 +274,8 @@ class LoaderSource:
 
     def state_dict(self) -> dict[str, Any]:
         state = {"epoch": self.epoch, "position": self.position, "rng": self.epoch_rng,
-                 "batch_size": getattr(self.loader, "batch_size", None)}
+                 "batch_size": getattr(self.loader, "batch_size", None),
+                 "samples": self.num_samples}
         if self.stream is not None:  # read after every optimizer step
             state["stream"] = self.stream.state_dict() if self._stateful() else None
         pending = self._saved
@@ -281,11 +292,12 @@ class LoaderSource:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._tell_epoch(int(state["epoch"]))  # (a mid-epoch resume sets no epoch)
+        self.position = int(state["position"])
         old, new = state.get("batch_size"), getattr(self.loader, "batch_size", None)
         if isinstance(old, int) and isinstance(new, int) and self.stream is None:
             # a DataLoader with another batch_size: skip the samples, not the batches
-            self.position = rebatched(self.position, old, new, self.plan().num_samples,
+            self.position = rebatched(self.position, old, new, self.num_samples,
                                       self.epoch, old, new)
         self.epoch_rng = state.get("rng")
         self._stream_state = state.get("stream")

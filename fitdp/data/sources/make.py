@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from fitdp.checks import check_number, fail
 from fitdp.data.batch import DataBatch, batch_length
 from fitdp.data.sources.convert import read_tensors, split_validation
+from fitdp.data.sources.hf_datasets import is_hf_dataset, is_map_style, stack_rows, without_unused
 from fitdp.data.sources.loaders import EpochSampler, LoaderSource
 from fitdp.data.sources.protocol import DataSource
 from fitdp.data.sources.sharded import ShardedSource
@@ -39,7 +40,8 @@ class Kind(enum.Enum):
     """
 
     TENSORS = "in-memory tensors or arrays"
-    DATASET = "a map-style Dataset"
+    DATASET = "a map-style Dataset (or a list of rows)"
+    HF = "a Hugging Face datasets.Dataset or IterableDataset"
     STREAM = "an IterableDataset"
     BATCHES = "a DataLoader or another re-iterable object of batches"
     GENERATOR = "a one-shot iterator of batches (a generator)"
@@ -57,6 +59,12 @@ class UserData:
             ``Kind.TENSORS`` has them: other kinds yield their own).
         has_labels: False for predict (targets are not needed).
         labels_optional: batches may hold their own labels (see ``make_source``).
+        collate_fn: how rows become a batch (a Dataset, a list of rows, a Hugging Face
+            dataset: the kinds fitdp batches); None: torch's default collate (a Hugging Face
+            dataset: its rows stacked, ``stack_rows``).
+        keep: the forward's argument names: a Hugging Face dataset's other columns are
+            dropped (None keeps them).
+        name: what to call the data in messages.
     """
 
     kind: Kind
@@ -65,6 +73,9 @@ class UserData:
     sample_weight: Any = None
     has_labels: bool = True
     labels_optional: bool = False
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    keep: frozenset[str] | None = None
+    name: str = "x"
 
     def split(self, fraction: Any) -> tuple[UserData, UserData]:
         """Keras's ``validation_split``, cut from the converted tensors: the first
@@ -98,72 +109,178 @@ class UserData:
                class_weight: Mapping[int, float] | None = None, rank: int = 0,
                world_size: int = 1, pin_memory: bool = False, rank_unit: int = 1
                ) -> DataSource:
-        """The data source of this kind (this rank's share of it under torch.distributed);
-        the arguments are ``make_source``'s, and ``rank_unit`` ``TensorSource``'s (other
-        sources hand out whole batches per rank already).
+        """The data source of this kind (this rank's share of it under torch.distributed):
+        its entry's adapter in ``KINDS``. The arguments are ``make_source``'s, and
+        ``rank_unit`` ``TensorSource``'s (other sources hand out whole batches per rank).
 
         Raises:
             TypeError, ValueError: a bad ``class_weight``.
         """
-        if self.kind is Kind.TENSORS:
-            w = self.sample_weight
-            if class_weight is not None:
-                cw = class_weights(class_weight, self.y)
-                w = cw if w is None else w * cw
-            return TensorSource(self.x, self.y, batch_size, sample_weight=w, shuffle=shuffle,
-                                seed=seed, rank=rank, world_size=world_size,
-                                pin_memory=pin_memory, rank_unit=rank_unit)
-        source: DataSource
-        if self.kind is Kind.SOURCE:
-            source = self.x  # a source already, e.g. a BucketIterator
-        elif self.kind is Kind.STREAM:  # batched in its own order (no sampler)
-            source = self._loader(DataLoader(self.x, batch_size=batch_size,
-                                             pin_memory=pin_memory))
-        elif self.kind is Kind.DATASET:
-            sampler = EpochSampler(_maybe_len(self.x) or 0, seed=seed, shuffle=shuffle)
-            source = self._loader(DataLoader(self.x, batch_size=batch_size, sampler=sampler,
-                                             pin_memory=pin_memory))
-        else:  # batches as they come (a DataLoader is used as it is)
-            source = self._loader(self.x)
-        if class_weight is not None:
-            source = ClassWeighted(source, class_weight)
-        return source if world_size == 1 else ShardedSource(source, rank, world_size)
+        how = Batching(batch_size, shuffle, seed, class_weight, rank, world_size, pin_memory,
+                       rank_unit)
+        return next(k.adapter for k in KINDS if k.kind is self.kind)(self, how)
 
-    def _loader(self, batches: Iterable[Any]) -> LoaderSource:
+    def loader(self, batches: Iterable[Any]) -> LoaderSource:
+        """Batches as they come, read as this data's batches."""
         return LoaderSource(batches, has_labels=self.has_labels,
                             labels_optional=self.labels_optional)
 
 
+class Batching(NamedTuple):
+    """How a call batches its data (``UserData.source``'s arguments)."""
+
+    batch_size: int
+    shuffle: bool
+    seed: int
+    class_weight: Mapping[int, float] | None
+    rank: int
+    world_size: int
+    pin_memory: bool
+    rank_unit: int
+
+
+class DataKind(NamedTuple):
+    """One entry of ``KINDS``: the kind, the test that recognises it and its adapter."""
+
+    kind: Kind
+    test: Callable[[Any], bool]
+    adapter: Callable[[UserData, Batching], DataSource]
+
+
+def _tensors(data: UserData, how: Batching) -> DataSource:
+    w = data.sample_weight
+    if how.class_weight is not None:
+        cw = class_weights(how.class_weight, data.y)
+        w = cw if w is None else w * cw
+    return TensorSource(data.x, data.y, how.batch_size, sample_weight=w, shuffle=how.shuffle,
+                        seed=how.seed, rank=how.rank, world_size=how.world_size,
+                        pin_memory=how.pin_memory, rank_unit=how.rank_unit)
+
+
+def _shared(source: DataSource, how: Batching) -> DataSource:
+    """A source of whole batches, class-weighted, and this rank's share of them."""
+    if how.class_weight is not None:
+        source = ClassWeighted(source, how.class_weight)
+    return source if how.world_size == 1 else ShardedSource(source, how.rank, how.world_size)
+
+
+def _rows(data: UserData, how: Batching, rows: Any = None,
+          collate_fn: Callable[[list[Any]], Any] | None = None) -> DataSource:
+    """A map-style dataset (``rows``, else the user's) batched by a DataLoader fitdp builds,
+    in an order drawn from (seed, epoch) alone."""
+    rows = data.x if rows is None else rows
+    sampler = EpochSampler(_maybe_len(rows) or 0, seed=how.seed, shuffle=how.shuffle)
+    loader = DataLoader(rows, batch_size=how.batch_size, sampler=sampler,
+                        pin_memory=how.pin_memory, collate_fn=collate_fn or data.collate_fn)
+    return _shared(data.loader(loader), how)
+
+
+def _stream(data: UserData, how: Batching, stream: Any = None,
+            collate_fn: Callable[[list[Any]], Any] | None = None) -> DataSource:
+    """An IterableDataset batched by ``batch_size`` in its own order (no sampler)."""
+    loader = DataLoader(data.x if stream is None else stream, batch_size=how.batch_size,
+                        pin_memory=how.pin_memory, collate_fn=collate_fn or data.collate_fn)
+    return _shared(data.loader(loader), how)
+
+
+def _hf(data: UserData, how: Batching) -> DataSource:
+    """A Hugging Face dataset: the forward's columns, rows (or a stream) collated by the
+    user's collator or stacked."""
+    dataset, collate = without_unused(data.x, data.keep, data.name,
+                                      data.collate_fn or stack_rows)
+    make = _rows if is_map_style(dataset) else _stream
+    return make(data, how, dataset, collate)
+
+
+def _batches(data: UserData, how: Batching) -> DataSource:
+    return _shared(data.loader(data.x), how)  # as they come (a DataLoader used as it is)
+
+
+def _source(data: UserData, how: Batching) -> DataSource:
+    return _shared(data.x, how)  # a source already, e.g. a BucketIterator
+
+
+def _rows_of_dicts(x: Any) -> bool:
+    """A list of dicts is a list of rows, a map-style dataset, each dict one sample (as
+    torch's DataLoader and transformers' Trainer read a list): not a list of dict batches
+    (pass those as a DataLoader or a generator) nor several inputs (pass those as a tuple)."""
+    return isinstance(x, list) and bool(x) and all(isinstance(r, Mapping) for r in x)
+
+
+def _in_memory(x: Any) -> bool:
+    """Tensors, arrays and tuples/lists/dicts of them (or nothing fitdp reads: as_tensors
+    names it)."""
+    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
+        return not (x and all(isinstance(b, DataBatch) for b in x))
+    return isinstance(x, (str, bytes, torch.Tensor, np.ndarray, Mapping)) or not isinstance(
+        x, Iterable)
+
+
+# The kinds in the order they are tried: the first whose test holds is the data's kind.
+KINDS: tuple[DataKind, ...] = (
+    DataKind(Kind.SOURCE, lambda x: is_source(x), _source),
+    DataKind(Kind.HF, is_hf_dataset, _hf),  # before STREAM: its stream is a torch one too
+    DataKind(Kind.STREAM, lambda x: isinstance(x, IterableDataset), _stream),
+    DataKind(Kind.DATASET, lambda x: isinstance(x, Dataset) and not isinstance(
+        x, DataLoader), _rows),
+    DataKind(Kind.DATASET, _rows_of_dicts, _rows),
+    DataKind(Kind.TENSORS, _in_memory, _tensors),
+    DataKind(Kind.GENERATOR, lambda x: isinstance(x, Iterator), _batches),
+    DataKind(Kind.BATCHES, lambda x: True, _batches),
+)
+
+
 def read_data(x: Any, y: Any = None, sample_weight: Any = None, *, has_labels: bool = True,
-              labels_optional: bool = False, name: str = "x") -> UserData:
+              labels_optional: bool = False, name: str = "x",
+              collate_fn: Callable[[list[Any]], Any] | None = None,
+              keep: frozenset[str] | None = None) -> UserData:
     """Classify what a user passed, once, and convert and check in-memory data, once.
 
     Args:
-        x, y, sample_weight, has_labels, labels_optional, name: as in ``make_source``.
+        x, y, sample_weight, has_labels, labels_optional, name, collate_fn: as in
+            ``make_source``.
+        keep: the forward's argument names (``UserData.keep``).
 
     Raises:
         ValueError: empty data, lengths that differ, targets given twice, a NaN or an
             infinity in in-memory data.
-        TypeError: a form fitdp does not accept.
+        TypeError: a form fitdp does not accept, or a ``collate_fn`` for data fitdp does not
+            batch.
     """
     if x is None:
         fail(name, None, "tensors, a Dataset, a DataLoader or an iterable of batches",
              error=ValueError)
     kind = _kind(x)
+    if collate_fn is not None:
+        _check_collate(collate_fn, kind, x, name)
     if kind is Kind.TENSORS:
         x, y, sample_weight = read_tensors(x, y, sample_weight, has_labels=has_labels,
                                            labels_optional=labels_optional, name=name)
-        return UserData(kind, x, y, sample_weight, has_labels, labels_optional)
+        return UserData(kind, x, y, sample_weight, has_labels, labels_optional, name=name)
     for arg, value in (("y", y), ("sample_weight", sample_weight)):
         if value is not None:
             fail(arg, f"a value together with {name} of type {type(x).__name__}",
                  f"{arg}=None: that {type(x).__name__} yields its own "
                  f"{'targets' if arg == 'y' else 'weights'}", described=True)
-    if kind is Kind.DATASET and _maybe_len(x) == 0:
+    if kind in (Kind.DATASET, Kind.HF) and _maybe_len(x) == 0:
         fail(name, "an empty Dataset", "at least one sample", described=True)
     if kind is Kind.BATCHES and _maybe_len(x) == 0:
         fail(name, f"an empty {type(x).__name__}", "at least one batch", described=True)
-    return UserData(kind, x, has_labels=has_labels, labels_optional=labels_optional)
+    return UserData(kind, x, has_labels=has_labels, labels_optional=labels_optional,
+                    collate_fn=collate_fn, keep=keep, name=name)
+
+
+def _check_collate(collate_fn: Any, kind: Kind, x: Any, name: str) -> None:
+    """``collate_fn``: a callable, for data fitdp batches itself."""
+    if not callable(collate_fn):
+        fail("collate_fn", collate_fn, "a callable that makes one batch of a list of rows "
+             "(a DataCollatorWithPadding, or your own function)", error=TypeError)
+    if kind not in (Kind.DATASET, Kind.HF, Kind.STREAM):
+        fail("collate_fn", f"a collate function together with {name} of type "
+             f"{type(x).__name__} ({kind.value}), which fitdp does not batch",
+             "collate_fn with a Dataset, a list of rows, an IterableDataset or a Hugging Face "
+             "dataset", "pass the collate_fn to your DataLoader, or pass the dataset itself",
+             error=TypeError, described=True)
 
 
 def make_source(
@@ -181,6 +298,7 @@ def make_source(
     world_size: int = 1,
     name: str = "x",
     pin_memory: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataSource:
     """Turn what a user passed to fit/evaluate/predict into a data source (this rank's share
     of it under torch.distributed): ``read_data`` then ``UserData.source``.
@@ -205,13 +323,16 @@ def make_source(
         pin_memory: host batches go to CUDA devices: shuffled in-memory epochs are gathered
             into pinned memory, and the ``DataLoader`` made for a ``Dataset`` pins its
             batches (a ``DataLoader`` the user passes is left as it is).
+        collate_fn: how a ``Dataset``'s, a list's or a Hugging Face dataset's rows become
+            one batch (``Trainer(data_collator=)``); a ``TypeError`` with data that comes
+            batched.
 
     Raises:
         ValueError: empty data, lengths that differ, targets given twice.
         TypeError: a form fitdp does not accept.
     """
     data = read_data(x, y, sample_weight, has_labels=has_labels,
-                     labels_optional=labels_optional, name=name)
+                     labels_optional=labels_optional, name=name, collate_fn=collate_fn)
     return data.source(batch_size=batch_size, shuffle=shuffle, seed=seed,
                        class_weight=class_weight, rank=rank, world_size=world_size,
                        pin_memory=pin_memory)
@@ -224,19 +345,8 @@ def is_source(obj: Any) -> bool:
 
 
 def _kind(x: Any) -> Kind:
-    """The one look at the type of a user's data."""
-    if is_source(x):
-        return Kind.SOURCE
-    if isinstance(x, IterableDataset):
-        return Kind.STREAM
-    if isinstance(x, Dataset) and not isinstance(x, DataLoader):
-        return Kind.DATASET
-    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):  # DataBatch objects?
-        return Kind.BATCHES if x and all(isinstance(b, DataBatch) for b in x) else Kind.TENSORS
-    if isinstance(x, (str, bytes, torch.Tensor, np.ndarray, Mapping)) or not isinstance(
-            x, Iterable):
-        return Kind.TENSORS  # (or nothing fitdp reads: as_tensors names it)
-    return Kind.GENERATOR if isinstance(x, Iterator) else Kind.BATCHES
+    """The one look at the type of a user's data: the first entry of ``KINDS`` that holds."""
+    return next(k.kind for k in KINDS if k.test(x))
 
 
 def class_weights(class_weight: Mapping[int, float], y: Any) -> torch.Tensor:

@@ -93,3 +93,32 @@ def position_problem(state: Any, keys: Sequence[str], what: str) -> str | None:
         return (f"it lacks the integer entries {bad} of {what}'s position: it was saved by a "
                 f"fit on other data; resume with the data it was saved with")
     return None
+
+
+def past_end_problem(state: Mapping[str, Any], *, rows: Any, samples: int | None,
+                     batches: int | None) -> str | None:
+    """Why a checked mid-epoch position ``state`` cannot continue on this fit's data: it is
+    past the data's end (the checkpoint came from longer data), or None.
+
+    Compared in samples when the saved batch's ``rows`` and this data's ``samples`` are
+    known (the saved ``samples``, when there, bound the rows of a partial last batch), else
+    in batches.
+
+    Example:
+        >>> past_end_problem({"epoch": 0, "position": 2}, rows=8, samples=10, batches=2)[:38]
+        'it is a position 2 batches (16 samples)'
+    """
+    position, epoch = state["position"], state["epoch"]
+    saved = state.get("samples")
+    if isinstance(rows, int) and samples is not None:
+        seen = position * rows if not isinstance(saved, int) else min(position * rows, saved)
+        if seen <= samples:
+            return None
+        where, size = f"{position} batches ({seen} samples)", f"{samples} samples"
+    elif batches is not None and position > batches:
+        where, size = f"{position} batches", f"{batches} batches"
+    else:
+        return None
+    return (f"it is a position {where} into epoch {epoch}, past the end of this fit's data, "
+            f"which has {size}: it was saved by a fit on longer data. Fix: resume with the "
+            f"data it was saved with, or from a checkpoint saved at an epoch's end")

@@ -39,6 +39,9 @@ def as_labels(labels: Any, lengths: torch.Tensor) -> tuple[torch.Tensor | None, 
     """Labels as one CPU tensor (per token: concatenated; else dim 0 is the sample), and
     whether they are per token."""
     count, sizes = len(lengths), lengths.tolist()
+    if not isinstance(labels, (list, tuple, str, bytes)) and getattr(labels, "ndim", None) is None \
+            and hasattr(labels, "__len__"):
+        labels = list(labels)  # a column of rows (a Hugging Face dataset's ds["labels"])
     if isinstance(labels, (list, tuple)) and len(labels) == count and all(
         isinstance(x, (list, tuple)) or getattr(x, "ndim", 0) >= 1 for x in labels
     ):  # a list of sequences: per token, or per sample if all alike (e.g. one-hot rows)

@@ -76,7 +76,13 @@ class ShardedSource:
 
     def check_resume(self, state: Any, *, continues: bool) -> str | None:
         check = getattr(self.source, "check_resume", None)
-        return check(state, continues=continues) if check is not None else None
+        if check is None:
+            return None
+        at = state.get("position") if isinstance(state, Mapping) else None
+        if isinstance(at, int) and at <= self.steps * self.world_size:
+            # the last round's empty batches are no batches of the source
+            state = {**state, "position": min(at, self.source.num_batches or at)}
+        return check(state, continues=continues)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.source.load_state_dict(state)

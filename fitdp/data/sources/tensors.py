@@ -10,7 +10,7 @@ import torch
 
 from fitdp.checks import FitdpWarning
 from fitdp.data.batch import DataBatch, batch_length, tree_map
-from fitdp.data.sources.protocol import SourcePlan, position_problem
+from fitdp.data.sources.protocol import SourcePlan, past_end_problem, position_problem
 
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
@@ -112,10 +112,15 @@ class TensorSource:
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "global_batch": self.global_batch, "batch_size": self.batch_size}
+                "global_batch": self.global_batch, "batch_size": self.batch_size,
+                "samples": self.num_samples}
 
     def check_resume(self, state: Any, *, continues: bool) -> str | None:
-        return position_problem(state, ("seed", "epoch", "position"), "in-memory tensors")
+        problem = position_problem(state, ("seed", "epoch", "position"), "in-memory tensors")
+        if problem or not continues:
+            return problem
+        return past_end_problem(state, rows=state.get("global_batch", self.global_batch),
+                                samples=self.num_samples, batches=self.num_batches)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])

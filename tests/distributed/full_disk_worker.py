@@ -1,0 +1,26 @@
+"""2 ranks save one sharded checkpoint; rank 1's writes fail as on a full disk (a file size
+limit: the kernel refuses the write, errno EFBIG). Each rank prints what it caught."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from fitdp.executor import sharded_io
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank == 1:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the rank
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+try:
+    sharded_io.save(sys.argv[1], 3, {f"w{rank}": torch.ones(100_000)})
+    print(f"rank {rank} saved", flush=True)
+except BaseException as exc:  # noqa: BLE001 - the test reads what each rank caught
+    print(f"rank {rank} caught {type(exc).__name__} errno={getattr(exc, 'errno', None)} "
+          f"{exc}", flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,28 @@
+"""A ``datasets.Dataset`` of text through a collator on two torchrun ranks (issue 38 item 1):
+each rank collates every batch of 4 rows in order (the MLM collator's masks drawn alike on
+both) and trains its round-robin share, so the two ranks give the one-process hand loop over
+the same collated batches, two at a time (tests/model/test_hf_datasets.py's ``hand_loop``):
+weights, History, evaluate and predict."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("datasets")
+
+from tests.distributed.test_distributed import launch  # noqa: E402
+from tests.distributed.test_huggingface_ranks import assert_saved_run  # noqa: E402
+from tests.model.test_hf_datasets import hand_loop  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "hf_data_worker.py")
+pytestmark = pytest.mark.distributed
+
+
+def test_two_ranks_train_the_hand_loop_over_the_collated_batches(tmp_path):
+    code, output, _ = launch("", tmp_path, limit=120, script=[WORKER, str(tmp_path)])
+    assert code == 0, output[-3000:]
+    for task in ("classify", "mlm"):
+        net, history, evaluated, logits = hand_loop(task, batch_size=4, per_step=2)
+        assert_saved_run(tmp_path / f"{task}.pt", net, history, evaluated, logits)

@@ -1,0 +1,285 @@
+"""A Hugging Face user's data as it comes (issue 38 items 1 and 2): a ``datasets.Dataset``
+with a text column, tokenized by a tokenizer trained locally, batched by a collator
+(``collate_fn=``, as ``Trainer(data_collator=)``), trains, evaluates and predicts as a hand
+loop over the same collated batches does, on 1, 2 and 3 CPU replicas; the text column is
+dropped once with one note; and a dict key the forward does not name is refused.
+
+The reference is what a user writes by hand: the rows in order, ``collator(rows)`` per
+batch, ``model(**batch).loss.backward()``, ``optimizer.step()``, on one device. The
+collator runs once per batch on the host before the batch is split over the replicas, so
+even a collator that draws random numbers (MLM masking) gives the hand loop's batches.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("datasets")
+pytest.importorskip("transformers")
+
+import fitdp  # noqa: E402
+from fitdp.checks import FitdpWarning  # noqa: E402
+from tests import hf_data  # noqa: E402
+from tests.model.test_huggingface import assert_resumes_bitwise  # noqa: E402
+
+BATCH, LR, SEED = 8, 0.5, 5
+TASKS = ["classify", "mlm", "tag"]
+
+
+def rows(task: str) -> list[dict]:
+    """The dataset's rows as a user's hand loop reads them: without the text column."""
+    ds = hf_data.dataset(task).remove_columns("text")
+    return [ds[i] for i in range(len(ds))]
+
+
+def items(batch: dict[str, torch.Tensor], task: str) -> int:
+    labels = batch["labels"]
+    return int((labels != -100).sum()) if hf_data.LOSS_ITEMS[task] else len(labels)
+
+
+def mean_loss(net, task: str, seed: int, batch_size: int = BATCH) -> float:
+    """The model's loss over the collated batches (each weighed by its items)."""
+    torch.manual_seed(seed)
+    data, collate = rows(task), hf_data.collator(task)
+    total = count = 0.0
+    with torch.no_grad():
+        for start in range(0, len(data), batch_size):
+            batch = collate(data[start:start + batch_size])
+            n = items(batch, task)
+            total, count = total + float(net(**batch).loss) * n, count + n
+    return total / count
+
+
+def hand_loop(task: str, batch_size: int = BATCH, per_step: int = 1
+              ) -> tuple[torch.nn.Module, list[float], float, torch.Tensor | None]:
+    """One device: the rows in order, collated per batch of ``batch_size`` (the collator's
+    draws from torch's generator seeded as ``fit(seed=SEED)`` seeds it), SGD on the model's
+    own loss over ``per_step`` batches at a time (each weighed by its items: the batches of
+    ``per_step`` torchrun ranks), then evaluate and the classifier's predicted logits."""
+    net = hf_data.model(task)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    data, collate = rows(task), hf_data.collator(task)
+    torch.manual_seed(SEED)
+    batches = [collate(data[s:s + batch_size]) for s in range(0, len(data), batch_size)]
+    total = count = 0.0
+    for start in range(0, len(batches), per_step):
+        group = batches[start:start + per_step]
+        counts = [items(b, task) for b in group]
+        opt.zero_grad()
+        losses = [net(**b).loss for b in group]
+        loss = sum(v * n for v, n in zip(losses, counts)) / sum(counts)
+        loss.backward()
+        opt.step()
+        total, count = total + loss.item() * sum(counts), count + sum(counts)
+    net.eval()
+    evaluated = mean_loss(net, task, seed=1, batch_size=batch_size)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        logits = torch.cat([net(**collate(data[s:s + BATCH])).logits
+                            for s in range(0, len(data), BATCH)]) if task == "classify" else None
+    return net, [total / count], evaluated, logits
+
+
+def compiled(task: str, **kw) -> fitdp.Model:
+    model = fitdp.Model(hf_data.model(task, **kw))
+    model.compile("sgd", lr=LR, loss=None, loss_items=hf_data.LOSS_ITEMS[task])
+    return model
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu"] * 2, ["cpu"] * 3])
+def test_a_dataset_through_each_collator_equals_the_hand_loop(task, devices) -> None:
+    """DataCollatorWithPadding (a classifier), DataCollatorForLanguageModeling (masked LM,
+    random masking) and DataCollatorForTokenClassification (a tagger) on 1-3 CPU replicas:
+    weights, History, evaluate and predict equal the hand loop over the same batches."""
+    net, history, evaluated, logits = hand_loop(task)
+    model, ds, collate = compiled(task), hf_data.dataset(task), hf_data.collator(task)
+    got = model.fit(ds, batch_size=BATCH, shuffle=False, seed=SEED, verbose=0,
+                    devices=devices, collate_fn=collate)
+    for (name, p), q in zip(model.module.named_parameters(), net.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=name)
+    assert got.history["loss"] == pytest.approx(history, abs=1e-5)
+    torch.manual_seed(1)
+    logs = model.evaluate(ds, batch_size=BATCH, verbose=0, devices=devices,
+                          collate_fn=collate, return_dict=True)
+    assert logs["loss"] == pytest.approx(evaluated, abs=1e-5)
+    if logits is not None:
+        torch.manual_seed(2)
+        predicted = model.predict(ds, batch_size=BATCH, devices=devices, collate_fn=collate)
+        torch.testing.assert_close(predicted["logits"], logits, atol=1e-5, rtol=1e-5)
+
+
+def test_the_text_column_is_dropped_once_with_one_note() -> None:
+    """Trainer's ``_remove_unused_columns`` (transformers/trainer.py) drops the columns
+    ``model.forward`` has no argument for, once per dataset, and logs one line naming them:
+    here one FitdpWarning per dataset (training and validation data), naming ``text``."""
+    model, ds = compiled("classify"), hf_data.dataset("classify")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model.fit(ds, batch_size=BATCH, epochs=2, verbose=0, devices=["cpu"],
+                  collate_fn=hf_data.collator("classify"), validation_data=ds)
+    notes = [str(w.message) for w in seen if "dropped" in str(w.message)]
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("x: the columns 'text' ")
+    assert notes[1].startswith("validation_data: the columns 'text' ")
+    assert "text" in ds.column_names  # the user's dataset is left as it was
+
+
+def test_shuffled_a_dataset_trains_as_the_same_rows_in_a_list() -> None:
+    """Shuffling draws the same order from (seed, epoch) as for a list of row dicts (a
+    map-style dataset): the same weights and History, bit for bit, on 2 replicas."""
+    def run(x):
+        model = compiled("tag")
+        history = model.fit(x, batch_size=BATCH, epochs=2, seed=SEED, verbose=0,
+                            devices=["cpu", "cpu"], collate_fn=hf_data.collator("tag"))
+        return model, history.history
+
+    (a, ha), (b, hb) = run(hf_data.dataset("tag")), run(rows("tag"))
+    assert ha == hb
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_stream_trains_as_the_dataset() -> None:
+    """A ``datasets.IterableDataset`` (its columns unknown after ``map``: dropped row by
+    row) trains as the map-style dataset does unshuffled."""
+    def run(x):
+        model = compiled("classify")
+        with pytest.warns(FitdpWarning, match="'text'"):
+            model.fit(x, batch_size=BATCH, shuffle=False, verbose=0, devices=["cpu", "cpu"],
+                      collate_fn=hf_data.collator("classify"))
+        return model
+
+    ds = hf_data.dataset("classify")
+    stream = ds.to_iterable_dataset().map(lambda r: {"n": len(r["text"])})
+    assert stream.column_names is None
+    a, b = run(ds), run(stream)
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+
+
+def test_mlm_masks_are_the_same_on_any_devices() -> None:
+    """The collator runs once per batch on the host, before the split: its masking (drawn
+    from torch's generator) gives the same batches on 1, 2 and 3 replicas, with dropout
+    drawing from the same generator in the model."""
+    def batches(devices):
+        seen = []
+        collate = hf_data.collator("mlm")
+
+        def recording(rows):
+            batch = collate(rows)
+            seen.append({k: v.clone() for k, v in batch.items()})
+            return batch
+
+        model = compiled("mlm", dropout=0.1)
+        model.fit(hf_data.dataset("mlm"), batch_size=BATCH, seed=SEED, verbose=0,
+                  devices=devices, collate_fn=recording)
+        return seen
+
+    one = batches(["cpu"])
+    assert len(one) == 3 and not torch.equal(one[0]["labels"], one[1]["labels"])
+    for devices in (["cpu"] * 2, ["cpu"] * 3):
+        for a, b in zip(one, batches(devices), strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_mid_epoch_checkpoint_resumes_bitwise(tmp_path) -> None:
+    """An MLM fit from a dataset (random masks), stopped mid-epoch and resumed from its
+    checkpoint, ends with the uninterrupted run's weights and History, bit for bit: the
+    batches trained before the stop are collated again from the epoch's saved generator
+    state, and the next ones draw from the state the checkpoint saved. (Unshuffled: the
+    shuffled order's resume is the sampler's, pinned in tests/data/test_loader_resume.py.)"""
+    def run(callbacks, **kw):
+        model = compiled("mlm")
+        history = model.fit(hf_data.dataset("mlm"), batch_size=BATCH, epochs=2, seed=SEED,
+                            shuffle=False, verbose=0, devices=["cpu", "cpu"], callbacks=callbacks,
+                            collate_fn=hf_data.collator("mlm"), **kw).history
+        return model, history
+
+    assert_resumes_bitwise(run, tmp_path)
+
+
+def test_collate_fn_for_data_that_comes_batched_is_refused() -> None:
+    """collate_fn batches rows; with tensors (or a DataLoader) it could only be ignored."""
+    model = compiled("classify")
+    with pytest.raises(TypeError, match=r"^collate_fn: .*DataLoader"):
+        model.fit({"input_ids": torch.ones(4, 3, dtype=torch.long)}, verbose=0,
+                  collate_fn=hf_data.collator("classify"))
+    with pytest.raises(TypeError, match=r"^collate_fn: got 'pad'"):
+        model.fit(hf_data.dataset("classify"), verbose=0, collate_fn="pad")
+
+
+def test_rows_of_different_lengths_without_a_collator_name_one() -> None:
+    model = compiled("classify")
+    with pytest.raises(ValueError, match=r"^collate_fn: .*DataCollatorWithPadding"):
+        model.fit(hf_data.dataset("classify"), batch_size=BATCH, verbose=0, devices=["cpu"])
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("where,key,closest", [
+    ("x", "atention_mask", "attention_mask"), ("forward_kwargs", "use_cahce", "use_cache"),
+    ("x", "label", "labels")])
+def test_a_misspelt_key_is_refused_though_the_forward_takes_kwargs(where, key, closest):
+    """Regression (issue 38 item 2): transformers' forward takes **kwargs and swallowed a
+    misspelt key (a BERT trained without its attention mask, a GPT-2 with its cache on),
+    silently. Now a ValueError names the key and the closest argument before any step."""
+    import transformers
+
+    torch.manual_seed(0)
+    if where == "x":
+        net: torch.nn.Module = hf_data.model("classify")
+        forward_kwargs = None
+    else:
+        net = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=30, n_embd=16, n_layer=1, n_head=2, n_positions=16))
+        forward_kwargs = {key: False}
+    model = fitdp.Model(net)
+    model.compile("sgd", lr=LR, loss=None, forward_kwargs=forward_kwargs)
+    ids = torch.randint(1, 20, (8, 6))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    if where == "x":
+        batch["labels"] = torch.randint(0, 2, (8,))
+        batch[key] = batch.pop(closest if closest != "labels" else "labels")
+    before = _state(model)
+    with pytest.raises(ValueError, match=rf"^{where}: got the key '{key}'.*"
+                                         rf"did you mean '{closest}'"):
+        model.fit(batch, batch_size=4, verbose=0, devices=["cpu", "cpu"])
+    for k, v in model.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_key_no_argument_is_close_to_goes_to_the_forwards_kwargs() -> None:
+    """A forward with **kwargs reads what it likes (output_hidden_states here): only a key
+    close to an argument it names is taken for a misspelling."""
+    model = fitdp.Model(hf_data.model("classify"))
+    model.compile("sgd", lr=LR, loss=None, forward_kwargs={"output_hidden_states": True})
+    ids = torch.randint(1, 20, (8, 6))
+    out = model.predict({"input_ids": ids}, batch_size=4)
+    assert "hidden_states" in out or "logits" in out
+
+
+def test_a_misspelt_column_is_named_not_dropped() -> None:
+    """A column close to a forward argument (``atention_mask``) is not dropped as unused
+    (the model would train without its mask, silently): it is refused, naming both."""
+    ds = hf_data.dataset("classify").rename_column("attention_mask", "atention_mask")
+    with pytest.raises(ValueError, match=r"^x: got the column 'atention_mask'.*did you mean "
+                                         r"'attention_mask'"):
+        compiled("classify").fit(ds, batch_size=BATCH, verbose=0, devices=["cpu"],
+                                 collate_fn=hf_data.collator("classify"))
+
+
+def test_a_bucket_iterator_takes_a_datasets_columns() -> None:
+    """Length grouping goes through the bucketing: a BucketIterator over a dataset's columns
+    (``datasets`` Column objects, not lists) batches as over the same lists."""
+    ds = hf_data.dataset("tag")
+    a = fitdp.BucketIterator(ds["input_ids"], ds["labels"], batch_size=4, seed=0)
+    b = fitdp.BucketIterator(list(ds["input_ids"]), list(ds["labels"]), batch_size=4, seed=0)
+    assert a.buckets == b.buckets and a.per_token_labels
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.data, y.data) and torch.equal(x.label, y.label)
