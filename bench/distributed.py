@@ -10,6 +10,8 @@ trains, one after the other in the same processes (the order rotating from round
            pre-shuffled global batch of 256
   fsdp     ``compile(strategy="fsdp")`` (FSDP2): also the bytes each rank's optimizer steps
            (its parameter shards, their gradients, Adam's moments) against ``fitdp``'s
+  zero1    ``compile(strategy="zero1")`` (ZeroRedundancyOptimizer): also the bytes of Adam's
+           moments each rank holds against ``fitdp``'s (DDP's, whole on every rank)
   hybrid   ``devices=["cpu", "cpu"]`` on each rank: 2 ranks x 2 CPU replicas
 
 and, in a full run, ``local``: one process, ``devices=["cpu", "cpu"]``, batch 256. Every case
@@ -34,7 +36,8 @@ from torch.nn import functional as F
 
 SIZES, GLOBAL_BATCH, WORLD = [784, 512, 512, 10], 256, 2
 NAMES = {"fitdp": "fitdp, 2 ranks", "hand": "hand DDP loop, 2 ranks",
-         "fsdp": "fitdp strategy='fsdp', 2 ranks", "hybrid": "fitdp, 2 ranks x 2 CPU replicas",
+         "fsdp": "fitdp strategy='fsdp', 2 ranks", "zero1": "fitdp strategy='zero1', 2 ranks",
+         "hybrid": "fitdp, 2 ranks x 2 CPU replicas",
          "local": "fitdp, 1 process, devices=['cpu', 'cpu']"}
 
 
@@ -49,12 +52,14 @@ def fit(kind: str, x: torch.Tensor, y: torch.Tensor, epochs: int) -> dict[str, A
     import fitdp  # noqa: PLC0415 - in the ranks only: the launcher need not pay for it
 
     class Probe(fitdp.callbacks.Callback):
-        """Each epoch's seconds and last loss; the most bytes the optimizer held after a step."""
+        """Each epoch's seconds and last loss; the most bytes the optimizer held after a step
+        (``held``), and of them its state's (``state``: under zero1 the sharded optimizer's
+        part, the compiled one holding none while the replicas run)."""
 
         def __init__(self) -> None:
             super().__init__()
             self.seconds: list[float] = []
-            self.loss, self.held = float("nan"), 0
+            self.loss, self.held, self.state = float("nan"), 0, 0
 
         def on_epoch_begin(self, epoch: int, logs: dict[str, float] | None = None) -> None:
             self.t0 = time.perf_counter()
@@ -66,21 +71,23 @@ def fit(kind: str, x: torch.Tensor, y: torch.Tensor, epochs: int) -> dict[str, A
         def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
             opt = self.model.optimizer
             params = [p for g in opt.param_groups for p in g["params"]]
-            held = sum(local_bytes(p) + local_bytes(p.grad) for p in params) + sum(
-                local_bytes(v) for s in opt.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0)
-            self.held = max(self.held, held)
+            zero = getattr(self.model._replicas.engine, "zero", None)
+            state = sum(local_bytes(v) for s in (zero.optim if zero else opt).state.values()
+                        for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+            held = sum(local_bytes(p) + local_bytes(p.grad) for p in params) + state
+            self.held, self.state = max(self.held, held), max(self.state, state)
 
     model = fitdp.Model(mlp(SIZES))
     model.compile(optimizer="adam", lr=1e-3, loss="cross_entropy",
-                  strategy="fsdp" if kind == "fsdp" else "auto")
+                  strategy=kind if kind in ("fsdp", "zero1") else "auto")
     probe = Probe()
     devices = ["cpu", "cpu"] if kind in ("hybrid", "local") else ["cpu"]
     batch = GLOBAL_BATCH if kind == "local" else GLOBAL_BATCH // WORLD
     model.fit(x, y, batch_size=batch, epochs=epochs, devices=devices, seed=0, verbose=0,
               callbacks=[probe])
     model.close()
-    return {"seconds": probe.seconds, "loss": probe.loss, "held": probe.held}
+    return {"seconds": probe.seconds, "loss": probe.loss, "held": probe.held,
+            "state": probe.state}
 
 
 def hand(x: torch.Tensor, y: torch.Tensor, epochs: int) -> dict[str, Any]:
@@ -102,7 +109,7 @@ def hand(x: torch.Tensor, y: torch.Tensor, epochs: int) -> dict[str, Any]:
             opt.step()
         seconds.append(time.perf_counter() - t0)
     del net, opt  # DDP's reducer holds the group: freed here, not at interpreter exit
-    return {"seconds": seconds, "loss": float(loss), "held": 0}
+    return {"seconds": seconds, "loss": float(loss), "held": 0, "state": 0}
 
 
 def worker(kinds: list[str], steps: int, epochs: int) -> None:
@@ -136,7 +143,7 @@ def main() -> None:
         worker(args.worker.split(","), args.steps, args.epochs)
         return
     out = Results("distributed", args)
-    kinds = ["fitdp", "hand", "fsdp", "hybrid"]
+    kinds = ["fitdp", "hand", "fsdp", "zero1", "hybrid"]
     rounds: list[dict[str, dict[str, Any]]] = []
     me = [os.path.abspath(__file__), "--steps", str(args.steps), "--epochs", str(args.epochs)]
     for r in range(args.repeats):
@@ -161,6 +168,10 @@ def main() -> None:
     held = {k: rounds[-1][k]["held"] for k in ("fitdp", "fsdp")}
     out.row("sharding", "bytes the optimizer steps per rank (params, grads, Adam): fsdp",
             "strategy='auto' (DDP)", held["fitdp"] / 2**20, held["fsdp"] / 2**20, "MiB", None,
+            "<=", 0.6)
+    state = {k: rounds[-1][k]["state"] for k in ("fitdp", "zero1")}
+    out.row("sharding", "optimizer state bytes per rank (Adam's moments): zero1",
+            "strategy='auto' (DDP)", state["fitdp"] / 2**20, state["zero1"] / 2**20, "MiB", None,
             "<=", 0.6)
     out.extra["rounds"] = rounds
     out.finish()

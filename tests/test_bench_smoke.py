@@ -91,13 +91,18 @@ def test_replicas_compares_two_replicas_with_the_hand_loop_and_one_replica(runs)
 def test_distributed_runs_every_engine_and_fsdp_holds_half_per_rank(runs):
     got = rows(runs, "distributed")
     for kind in ("fitdp, 2 ranks", "fitdp strategy='fsdp', 2 ranks",
-                 "fitdp, 2 ranks x 2 CPU replicas"):
+                 "fitdp strategy='zero1', 2 ranks", "fitdp, 2 ranks x 2 CPU replicas"):
         assert got[f"MLP 784-512-512-10, global batch 256: {kind}"]["value"] > 0
     # DDP holds 4 + 4 + 8 bytes per parameter on each rank, FSDP2 half of that on each of two
     sharding = got["bytes the optimizer steps per rank (params, grads, Adam): fsdp"]
     params = 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
     assert sharding["ref_value"] * 2**20 == 16 * params
     assert sharding["ratio"] == pytest.approx(0.5, abs=0.01)
+    # zero1: Adam's 8 bytes per parameter, split by whole parameters (rank 0 holds the
+    # 784x512 weight's, 0.6 of them)
+    state = got["optimizer state bytes per rank (Adam's moments): zero1"]
+    assert state["ref_value"] * 2**20 == 8 * params
+    assert state["value"] * 2**20 == 8 * (784 * 512) and state["verdict"] == "PASS"
 
 
 def test_checkpoint_pairs_the_stall_blocks_of_each_round(runs):

@@ -72,7 +72,8 @@ class Replicas:
         engine = engine_for(compiled.config.strategy, devices, placement.ranks.world_size,
                             bucketed=bucket_module is not None,
                             compiled=bool(compiled.config.compile),
-                            custom_step=step is not None) if compiled else None
+                            custom_step=step is not None,
+                            scaled=autocast is torch.float16) if compiled else None
         if autocast is torch.float16 and any(d.type != "cuda" for d in devices):
             fail("compile(precision='16-mixed')", [str(d) for d in devices],
                  "CUDA devices only (it uses a CUDA GradScaler)",
@@ -171,6 +172,13 @@ class Replicas:
         src, dst = (replica, host) if to_host else (host, replica)
         bind_optimizer(optimizer, {id(src[n]): dst[n] for n in src if n in dst})
         self.engine.carry_optimizer(optimizer, to_host)
+
+    def share_optimizer(self) -> None:
+        """Every rank, where rank 0 alone may save next: the optimizer state that the engine
+        holds in parts gathered for that save (a collective where it does: ZeRO-1)."""
+        compiled = self.compiled
+        if compiled is not None and compiled.optimizer is not None:
+            self.engine.share_optimizer(compiled.optimizer)
 
     def own_buffers(self) -> dict[str, list[torch.Tensor]] | None:
         """The floating buffers whose replicas differ (BatchNorm statistics between epoch

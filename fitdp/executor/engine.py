@@ -28,6 +28,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from fitdp.executor.flat_buckets import FlatBuckets
+    from fitdp.executor.update import Update
 
 
 class Lead(Protocol):
@@ -44,6 +45,7 @@ class EngineOptions(abc.ABC):
     made into the call's engine when a call attaches its replicas."""
 
     name: ClassVar[str]  # the strategy's string shortcut ("ddp", "fsdp")
+    scaled: ClassVar[bool] = True  # runs with a GradScaler (precision="16-mixed")
 
     def check(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming an option that cannot work."""
@@ -70,11 +72,14 @@ class Engine(abc.ABC):
         reduces: ``reduce`` has work to do after backward (checked once, at bind).
         prepares: ``prepare`` has work to do before a training batch (checked once per
             bound step: a step of an engine without it never calls it).
+        steps_optimizer: the engine steps the optimizer itself (``step``; checked once per
+            bound update: the others' step is the update's ``optimizer.step()``).
     """
 
     shards_weights: bool = False
     reduces: bool = False
     prepares: bool = False
+    steps_optimizer: bool = False
 
     @abc.abstractmethod
     def replicas(self, module: nn.Module, devices: Sequence[torch.device],
@@ -117,6 +122,30 @@ class Engine(abc.ABC):
         """The optimizer's state moved with its parameters between the host (``to_host``)
         and the replicas."""
         return None  # the default: nothing to do
+
+    # -- the optimizer: its step and its state ---------------------------------------------
+
+    def step(self, update: Update) -> None:
+        """The optimizer step of an engine that ``steps_optimizer``: ``update.optimizer``
+        (the call's, whose parameter groups the scheduler sets) on device 0's gradients,
+        reduced, unscaled and clipped. Engines without the flag are never asked."""
+        raise NotImplementedError(f"{type(self).__name__} sets steps_optimizer without step")
+
+    def share_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank, before rank 0 alone saves: gather what its ``optimizer_state`` needs
+        from the other ranks (a collective)."""
+        return None  # the default: every rank holds its optimizer's whole state
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, whole: bool) -> dict[str, Any]:
+        """The state dict of ``optimizer`` (bound to the replicas) for a checkpoint: whole
+        tensors, or (not ``whole``: a sharded save, every rank writes) as this rank holds it."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        """A checkpoint's whole ``state`` into ``optimizer`` (bound to the replicas), held as
+        the engine holds it."""
+        optimizer.load_state_dict(state)
 
     def close(self) -> None:
         """Release what the engine holds of the replicas (the manager closes)."""

@@ -165,6 +165,18 @@ class FSDPEngine(Engine):
     def carry_optimizer(self, optimizer: torch.optim.Optimizer, to_host: bool) -> None:
         reshard_state(optimizer, to_host)
 
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, whole: bool) -> dict[str, Any]:
+        """The state of the shards gathered into whole tensors (a collective: every rank
+        saves), so the checkpoint loads on any world size and in one process; or, not
+        ``whole``, the shards as they are (a sharded checkpoint writes each rank's)."""
+        state = optimizer.state_dict()
+        return whole_state(state) if whole else state
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+        reshard_state(optimizer, to_host=False)  # this rank's part of each whole tensor
+
 
 def is_shard(value: object) -> TypeGuard[DTensor]:
     """Whether ``value`` is an FSDP2 shard (a DTensor). Before ``torch.distributed.tensor``

@@ -31,7 +31,7 @@ from fitdp.executor.step import (
     Scale,
     Step,
 )
-from fitdp.executor.update import NamedUpdate, Update
+from fitdp.executor.update import Update, UpdateOptions, new_update
 from fitdp.executor.weighing import Weighing
 
 # Parameters or buffers: names, their ``[name][device]`` tensors, and the caller's by name.
@@ -133,13 +133,9 @@ class DataParallelExecutorManager:
         params = [[row[d] for row, on in zip(self.execgrp.param_arrays, self.trainable) if on]
                   for d in range(len(self.devices))]
         self.flat = self.engine.bind(self.execgrp.executors[0], params)
-        # The engine's cross-rank gradient sum, run by each step's ``Update`` (None: nothing
-        # is left to the step).
-        self.cross_rank: Callable[[], None] | None = \
-            self.engine.reduce if self.engine.reduces else None
         # What the step of a call binds: the gradient-only and optimizer updates (they hold
         # no step, so the manager holds no cycle), the slices per batch size, the weighing.
-        self._updates: dict[tuple[Hashable, ...], Update] = {}
+        self._updates: dict[UpdateOptions, Update] = {}
         self._weighing = Weighing(None, self.devices, distributed)
         # Callables each optimizer step runs first (an async save still copying the
         # weights waits there; see ``fitdp.saving.fence``).
@@ -439,39 +435,33 @@ class DataParallelExecutorManager:
         Raises:
             ValueError: ``micro_batch_size`` with an engine that shards the weights (FSDP2).
         """
+        options = UpdateOptions(optimizer, scaler, clip_norm, named, track_norm=track_norm,
+                                inspect=inspect)
         if micro_batch_size is not None:
-            return ReproducibleStep(self, is_train, micro_batch_size, optimizer=optimizer,
-                                    scaler=scaler, clip_norm=clip_norm, scale=scale,
-                                    metric=metric, track_norm=track_norm, inspect=inspect)
-        return self._step(is_train, optimizer=optimizer, scaler=scaler, clip_norm=clip_norm,
-                          scale=scale, metric=metric, named=named, track_norm=track_norm,
-                          inspect=inspect)
+            # The reproducible step sums the ranks' gradients itself (in a fixed order).
+            update = self.update(dataclasses.replace(options, named=False, cross_rank=False))
+            return ReproducibleStep(self, is_train, micro_batch_size,
+                                    update=update if is_train else None, scale=scale,
+                                    metric=metric)
+        return self._step(is_train, options, scale=scale, metric=metric)
 
-    def _step(self, is_train: bool, *, optimizer: torch.optim.Optimizer | None = None,
-              scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
-              scale: Scale | None = None, metric: Any = None, named: bool = False,
-              track_norm: bool = False,
-              inspect: Callable[[torch.optim.Optimizer], None] | None = None) -> Step:
-        """The ordinary step (``bind_step``'s arguments)."""
-        update = self._update(optimizer, scaler, clip_norm, named, track_norm, inspect) \
-            if is_train else None
-        return Step(self, is_train, update, scale, metric, named, self.balancing)
+    def _step(self, is_train: bool, options: UpdateOptions | None = None, *,
+              scale: Scale | None = None, metric: Any = None) -> Step:
+        """The ordinary step (``bind_step``'s, and the phase calls' without an optimizer)."""
+        options = options if options is not None else UpdateOptions()
+        update = self.update(options) if is_train else None
+        return Step(self, is_train, update, scale, metric, options.named, self.balancing)
 
-    def _update(self, optimizer: torch.optim.Optimizer | None,
-                scaler: torch.amp.GradScaler | None, clip_norm: float | None,
-                named: bool = False, track_norm: bool = False,
-                inspect: Callable[[torch.optim.Optimizer], None] | None = None) -> Update:
-        """The update for these arguments, made once and kept (its views of the buckets)."""
-        key = (optimizer, scaler, clip_norm, named, track_norm, inspect)
-        update = self._updates.get(key)
-        if update is None or not update.fits(optimizer):
+    def update(self, options: UpdateOptions) -> Update:
+        """The update ``options`` describe, made once and kept (its views of the buckets):
+        the one optimizer step of the bound steps, a custom step's ``optimizer_step`` and
+        the phase calls below."""
+        update = self._updates.get(options)
+        if update is None or not update.fits(options.optimizer):
             if len(self._updates) >= 16:  # calls with new optimizers: keep a few
                 self._updates.clear()
-            kind = NamedUpdate if named else Update
-            update = self._updates[key] = kind(
-                self.flat, self.master_parameters(), optimizer, scaler=scaler,
-                clip_norm=clip_norm, cross_rank=self.cross_rank, before_step=self.before_step,
-                track_norm=track_norm, inspect=inspect)
+            update = self._updates[options] = new_update(
+                options, self.flat, self.master_parameters(), self.engine, self.before_step)
         return update
 
     def manual_update(self, optimizer: torch.optim.Optimizer, *,
@@ -480,7 +470,7 @@ class DataParallelExecutorManager:
         """The update of one of several optimizers that a custom ``train_step`` steps itself
         (``Model.optimizer_step``): the same reduce, unscale, clip (its own parameters),
         step and broadcast as the bound step's."""
-        return self._update(optimizer, scaler, clip_norm)
+        return self.update(UpdateOptions(optimizer, scaler, clip_norm))
 
     def run_batch(
         self,
@@ -538,24 +528,24 @@ class DataParallelExecutorManager:
             clip_norm: max global norm of the gradients, or None.
             guard: a context the sequence runs in (see ``run_batch``).
         """
-        update = self._update(optimizer, scaler, clip_norm)
+        update = self.update(UpdateOptions(optimizer, scaler, clip_norm))
         with guard if guard is not None else contextlib.nullcontext():
             if update.optimizer is not None:
                 update.apply()
 
     def zero_grad(self) -> None:
         """Zero the gradients on every device."""
-        update = self._update(None, None, None)
+        update = self.update(UpdateOptions())
         for d in range(len(self.devices)):
             update.zero_device(d)
 
     def reduce_gradients(self) -> None:
         """Sum every device's gradients into device 0's (then across ranks)."""
-        self._update(None, None, None).reduce_gradients()
+        self.update(UpdateOptions()).reduce_gradients()
 
     def sync_params(self) -> None:
         """After an optimizer step on device 0, copy its parameters to every other device."""
-        self._update(None, None, None).broadcast_params()
+        self.update(UpdateOptions()).broadcast_params()
 
     def named_master_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Device 0's parameters by name, frozen ones too: bind the optimizer to these."""

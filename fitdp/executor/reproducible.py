@@ -222,7 +222,8 @@ class ReproducibleStep:
         mgr: the manager.
         is_train: train, or evaluate (forward, logged loss and metrics only).
         micro_batch_size: rows per micro-batch.
-        optimizer, scaler, clip_norm: what the update steps (training).
+        update: the manager's update (training; its options leave the ranks' sum to this
+            step), or None.
         scale: multiplies each loss before backward (a ``GradScaler``'s), or None.
         metric: a ``DeviceMetrics``, updated on device 0 with the batch's micro-batches
             joined in index order, or None.
@@ -233,10 +234,8 @@ class ReproducibleStep:
     """
 
     def __init__(self, mgr: Any, is_train: bool, micro_batch_size: int, *,
-                 optimizer: torch.optim.Optimizer | None = None,
-                 scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
-                 scale: Scale | None = None, metric: Any = None, track_norm: bool = False,
-                 inspect: Callable[[torch.optim.Optimizer], None] | None = None) -> None:
+                 update: Update | None = None, scale: Scale | None = None,
+                 metric: Any = None) -> None:
         if mgr.engine.shards_weights:
             raise ValueError("fit(reproducible=True): got strategy='fsdp'; expected DDP or "
                              "fitdp's own reduction (FSDP2 reduce-scatters in backward, in "
@@ -251,9 +250,7 @@ class ReproducibleStep:
         self.weighing = mgr.weighing()  # what each micro-batch's mean divides by
         # Nothing left to reduce for the update (no cross-rank sum): the canonical sum is
         # device 0's gradient, the ranks' joined already.
-        self.update = Update(mgr.flat, mgr.master_parameters(), optimizer, scaler=scaler,
-                             clip_norm=clip_norm, before_step=mgr.before_step,
-                             track_norm=track_norm, inspect=inspect) if is_train else None
+        self.update = update
         self.computes = [_Recorded(mgr.compute) for _ in mgr.devices]
         self.samples = 0  # rows run so far (a call's throughput reads it)
         self.draws: bool | None = None  # whether forward draws random numbers (first batch)

@@ -1,16 +1,20 @@
 """The optimizer update of a training step, the one place the executor steps an optimizer.
 
-An ``Update`` is bound once per call from what the call fixes (optimizer, ``GradScaler``,
-clipping norm, the flat gradient buckets, the cross-rank reduction); the bound step runs
-``apply`` on a batch that ends with an optimizer step (an update without an optimizer only
-zeroes). Its parts run in order:
+An ``Update`` is bound once per call from what the call fixes: its ``UpdateOptions``
+(optimizer, ``GradScaler``, clipping norm, profiler ranges, whether the engine's cross-rank
+reduction is left to it), the flat gradient buckets and the engine. ``new_update`` is the one
+place an update is made (the manager's ``update`` keeps one per options; the built-in step,
+the reproducible step and a custom step's ``optimizer_step`` all step through it). The bound
+step runs ``apply`` on a batch that ends with an optimizer step (an update without an
+optimizer only zeroes). Its parts run in order:
 
 - ``zero_device(d)``: device ``d``'s gradients zeroed, on its thread, before its backward
   (the batch that starts an optimizer step);
 - ``apply()``: the ``before_step`` hooks (an async save still copying the weights waits
   there), the gradients summed over the devices into device 0's (then across ranks:
-  ``cross_rank``, the engine's ``reduce``), unscaled and clipped, the optimizer step, and
-  device 0's parameters copied to every other device.
+  the engine's ``reduce``), unscaled and clipped, the optimizer step (the engine's ``step``
+  where the engine owns it: ZeRO-1's sharded optimizer), and device 0's parameters copied
+  to every other device.
 
 On CPU replicas without ranks the buckets hold no gradients (``FlatBuckets`` says why: a
 replica then holds its weights and gradients once each): backward writes fresh gradients after
@@ -22,9 +26,10 @@ backward counts once however often the reduce is asked).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,6 +38,57 @@ from fitdp.executor.flat_buckets import FlatBuckets, add_into
 
 _NULL = contextlib.nullcontext()  # reusable: entering it has no state
 _GRAD = operator.attrgetter("grad")  # a parameter's gradient (C: no Python frame per read)
+
+
+class Engine(Protocol):
+    """What an update asks of the call's engine (``fitdp.executor.engine.Engine``)."""
+
+    reduces: bool
+    steps_optimizer: bool
+
+    def reduce(self) -> None: ...
+
+    def step(self, update: Update) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateOptions:
+    """What a call fixes of its optimizer step (one value, the key of the manager's updates).
+
+    Attributes:
+        optimizer: what steps device 0's trainable parameters (None: an update that only
+            zeroes and reduces).
+        scaler: the ``GradScaler`` of a 16-mixed run, or None.
+        clip_norm: max global norm of the gradients, or None.
+        named: the reduce and the step in profiler ranges (``NamedUpdate``).
+        cross_rank: the engine's cross-rank reduce runs in the update (False: the step
+            summed the ranks' gradients itself, as the reproducible step does).
+        track_norm: every step takes the gradients' global norm before clipping, on the
+            device (``state.grad_norm``; clipping takes it anyway).
+        inspect: called with the optimizer after the reduce and the unscale, before
+            clipping and the step (``on_before_optimizer_step``), or None.
+
+    Example:
+        >>> UpdateOptions(clip_norm=1.0) == UpdateOptions(clip_norm=1.0)  # one kept update
+        True
+    """
+
+    optimizer: torch.optim.Optimizer | None = None
+    scaler: torch.amp.GradScaler | None = None
+    clip_norm: float | None = None
+    named: bool = False
+    cross_rank: bool = True
+    track_norm: bool = False
+    inspect: Callable[[torch.optim.Optimizer], None] | None = None
+
+
+def new_update(options: UpdateOptions, flat: FlatBuckets | None,
+               masters: Sequence[nn.Parameter], engine: Engine | None = None,
+               before_step: list[Callable[[], None]] | None = None) -> Update:
+    """The update ``options`` describe, over the replicas' ``flat`` buckets and device 0's
+    trainable parameters ``masters``, stepping through ``engine`` (see ``Update``)."""
+    kind = NamedUpdate if options.named else Update
+    return kind(flat, masters, options, engine=engine, before_step=before_step)
 
 
 class StepState:
@@ -63,11 +119,10 @@ class Update:
         flat: the gradient buckets of several replicas (or ranks), or None (one replica:
             its gradients are set to None before backward, as ``optimizer.zero_grad()``).
         masters: device 0's trainable parameters (the optimizer's).
-        optimizer: what steps them (None: an update that only zeroes).
-        scaler: the ``GradScaler`` of a 16-mixed run, or None.
-        clip_norm: max global norm of the gradients, or None.
-        cross_rank: sums device 0's gradients across ranks (the engine's ``reduce``; None:
-            nothing left to the step).
+        options: the optimizer, scaler and clipping (None: an update that only zeroes).
+        engine: the call's engine: its ``reduce`` sums device 0's gradients across ranks
+            (where it ``reduces`` and ``options.cross_rank``), its ``step`` steps the
+            optimizer (where it ``steps_optimizer``); None: neither.
         before_step: callables run before each optimizer step (the manager's list, which a
             call fills while an async save copies the weights); read at every step.
 
@@ -75,26 +130,30 @@ class Update:
         >>> a, b = nn.Linear(3, 2), nn.Linear(3, 2)
         >>> opt = torch.optim.SGD(a.parameters(), lr=0.1)
         >>> up = Update(FlatBuckets([list(a.parameters()), list(b.parameters())]),
-        ...             list(a.parameters()), opt)
+        ...             list(a.parameters()), UpdateOptions(opt))
         >>> len(up.broadcast)  # device 0's flat parameters to device 1's
         1
     """
 
     def __init__(self, flat: FlatBuckets | None, masters: Sequence[nn.Parameter],
-                 optimizer: torch.optim.Optimizer | None, *,
-                 scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
-                 cross_rank: Callable[[], None] | None = None,
-                 before_step: list[Callable[[], None]] | None = None,
-                 track_norm: bool = False,
-                 inspect: Callable[[torch.optim.Optimizer], None] | None = None) -> None:
+                 options: UpdateOptions | None = None, *, engine: Engine | None = None,
+                 before_step: list[Callable[[], None]] | None = None) -> None:
+        options = options if options is not None else UpdateOptions()
         self.flat = flat
         # What the step saw (``StepState``); the norm is taken when asked for or clipping.
         self.state = StepState()
-        self.track_norm = track_norm
-        self.inspect = inspect
+        self.track_norm = options.track_norm
+        self.inspect = options.inspect
         self.masters = list(masters)
-        self.optimizer, self.scaler, self.clip_norm = optimizer, scaler, clip_norm
-        self.cross_rank = cross_rank
+        optimizer = options.optimizer
+        self.optimizer, self.scaler, self.clip_norm = optimizer, options.scaler, \
+            options.clip_norm
+        self.cross_rank: Callable[[], None] | None = (
+            engine.reduce if engine is not None and engine.reduces and options.cross_rank
+            else None)
+        # The engine's own optimizer step (None: ``optimizer.step()`` here, no call more).
+        self.engine_step: Callable[[Update], None] | None = (
+            engine.step if engine is not None and engine.steps_optimizer else None)
         self.before_step = before_step if before_step is not None else []
         self.size = param_count(optimizer) if optimizer is not None else 0
         # Clipping takes the norm of the gradients the optimizer steps: all of device 0's,
@@ -163,7 +222,9 @@ class Update:
         state.lr = optimizer.param_groups[0]["lr"]
         state.steps += 1
         with self.step_range:  # the executor's one call of the optimizer's step
-            if scaler is None:
+            if self.engine_step is not None:
+                self.engine_step(self)
+            elif scaler is None:
                 optimizer.step()  # (looked up: an LR scheduler made later wraps it)
             else:
                 scaler.step(optimizer)

@@ -255,6 +255,8 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
                 session.stop_if_preempted()  # SIGTERM: backups written, Preempted raised
                 if run.stop_training:
                     break
+            if self._replicas is not None:  # every rank: rank 0 alone may save from now on
+                self._replicas.share_optimizer()
             cbs.call("on_train_end", logs)
             self.wait_for_saves()
         self.history = cbs.history

@@ -135,7 +135,9 @@ class ModelIO:
             objects["measures"] = Entry(manager.measures, manager.load_measures)
         compiled = self._compiled
         if compiled is not None and compiled.optimizer is not None:
-            objects["optimizer"] = OptimizerState(compiled.optimizer, whole=not shards)
+            # (the replicas' engine holds its state while they exist: FSDP2's shards)
+            engine = replicas.engine if replicas is not None else None
+            objects["optimizer"] = OptimizerState(compiled.optimizer, engine, whole=not shards)
             for key in ("scheduler", "scaler"):
                 if getattr(compiled, key) is not None:
                     objects[key] = getattr(compiled, key)
@@ -152,9 +154,12 @@ class ModelIO:
         """Under torchrun, gather every rank's running loss sums and metric states of the
         epoch, its random generators and data position, so that a ``save`` right after (rank
         0's) holds them all and a resume on as many ranks logs and draws as the
-        uninterrupted run. A collective: call it on every
+        uninterrupted run; and the optimizer state where each rank holds a part of it
+        (``strategy="zero1"``). A collective: call it on every
         rank (``ModelCheckpoint`` and ``BackupAndRestore`` do before each save). One
-        process, or outside a fit's epoch: nothing to do."""
+        process, or outside a fit's epoch: nothing to do for the logs."""
+        if self._replicas is not None:
+            self._replicas.share_optimizer()
         session = self._session
         if session is not None and isinstance(session.plan, FitPlan):
             session.epoch_logs.share()
@@ -218,6 +223,8 @@ class ModelIO:
     def _save_sharded(self, path: str, async_save: bool) -> None:
         """Every rank: its shards through DCP, rank 0 the rest; one save in flight."""
         self.wait_for_saves()  # checkpoints land in the order they were asked for
+        if self._replicas is not None:  # (every rank is here: a collective may run)
+            self._replicas.share_optimizer()
         state = snapshot(self._checkpoint_objects(path, shards=self._shards()))
         self._sharded_save = save_sharded(path, state, step=self.run.global_step,
                                           async_save=async_save)

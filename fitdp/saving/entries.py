@@ -14,7 +14,8 @@ import torch
 from fitdp._version import __version__
 from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.optimizers import optimizer_kind_problem
-from fitdp.executor.fsdp import is_shard, reshard_state, whole_state
+from fitdp.executor.engine import Engine
+from fitdp.executor.fsdp import is_shard
 from fitdp.saving.checkpoint import (
     CheckpointError,
     capture_rng_state,
@@ -62,25 +63,36 @@ class Entry:
 
 
 class OptimizerState:
-    """An optimizer's state, tagged with its class so another kind is refused on load."""
+    """An optimizer's state, tagged with its class so another kind is refused on load.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, whole: bool = True) -> None:
-        self.optimizer, self.whole = optimizer, whole
+    Args:
+        optimizer: the compiled optimizer.
+        engine: the engine of the replicas it is bound to, which holds its state (FSDP2's
+            shards, ZeRO-1's partition) and says what a checkpoint holds of it; None: no
+            replicas, the optimizer holds its own.
+        whole: whole tensors (every checkpoint but a sharded one, where each rank writes
+            what it holds).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine | None = None, *,
+                 whole: bool = True) -> None:
+        self.optimizer, self.engine, self.whole = optimizer, engine, whole
 
     def state_dict(self) -> dict[str, Any]:
-        # FSDP2: the state of shards gathered into whole tensors (every rank saves: a
-        # collective), so the checkpoint loads on any world size and in one process; or,
-        # not ``whole``, the shards as they are (a sharded checkpoint writes each rank's).
-        state = self.optimizer.state_dict()
-        return {**(whole_state(state) if self.whole else state),
-                "fitdp_class": type(self.optimizer).__name__}
+        engine, optimizer = self.engine, self.optimizer
+        state = engine.optimizer_state(optimizer, self.whole) if engine is not None \
+            else optimizer.state_dict()
+        return {**state, "fitdp_class": type(optimizer).__name__}
 
     def problem(self, state: Mapping[str, Any], checkpoint: Mapping[str, Any]) -> str | None:
         return optimizer_kind_problem(self.optimizer, state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "fitdp_class"})
-        reshard_state(self.optimizer, to_host=False)  # (shards of FSDP2's parameters)
+        plain = {k: v for k, v in state.items() if k != "fitdp_class"}
+        if self.engine is not None:
+            self.engine.load_optimizer_state(self.optimizer, plain)
+        else:
+            self.optimizer.load_state_dict(plain)
 
 
 def _rng_problem(state: Any, checkpoint: Mapping[str, Any]) -> str | None:

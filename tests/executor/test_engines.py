@@ -5,6 +5,8 @@ tests/distributed/test_strategy.py runs the DDP and FSDP2 engines under torchrun
 from __future__ import annotations
 
 import ast
+import inspect
+import typing
 import weakref
 from pathlib import Path
 
@@ -15,18 +17,31 @@ import fitdp
 from fitdp.call import replicas
 from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager
+from fitdp.executor.engine import Engine, EngineOptions
+from fitdp.executor.engines import ENGINES, engine_for
 from fitdp.executor.local_reduce import LocalReduce
+from fitdp.executor.update import UpdateOptions
 
 ROOT = Path(fitdp.__file__).resolve().parent
-# The names of DDP's, FSDP2's and DTensor's types and calls, fitdp's and torch's.
-ENGINE_NAMES = {"DDP", "FSDP", "DDPEngine", "FSDPEngine", "DistributedDataParallel",
-                "DTensor", "FSDPModule", "fully_shard", "distribute_tensor",
-                "MixedPrecisionPolicy", "full_tensor", "to_local", "require_backward_grad_sync"}
-ENGINE_FILES = {"executor/ddp.py", "executor/fsdp.py"}
+
+
+def engine_class(options: type[EngineOptions]) -> type[Engine]:
+    """The engine class a registered strategy's options make (their ``engine``'s return)."""
+    return typing.get_type_hints(options.engine)["return"]
+
+
+# The registry is the list of engines: each strategy's options class, its engine class and
+# the file that holds them (ENGINES in fitdp/executor/engines.py).
+OPTIONS = {o.__name__ for o in ENGINES.values()}
+ENGINE_FILES = {Path(inspect.getfile(o)).relative_to(ROOT).as_posix() for o in ENGINES.values()}
+# The names of torch's engine types and calls (DDP's, FSDP2's, DTensor's, ZeRO's) and fitdp's.
+TORCH_NAMES = {"DistributedDataParallel", "DTensor", "FSDPModule", "fully_shard",
+               "distribute_tensor", "MixedPrecisionPolicy", "full_tensor", "to_local",
+               "require_backward_grad_sync", "ZeroRedundancyOptimizer"}
+ENGINE_NAMES = OPTIONS | {engine_class(o).__name__ for o in ENGINES.values()} | TORCH_NAMES
 SHARDED_SAVING = "executor/sharded_io.py"  # reads a shard where it is (``to_local``)
-# Where fitdp's options objects may be named besides: the choice of an engine from a
-# strategy string, and the public names ``fitdp.DDP``/``fitdp.FSDP``.
-OPTIONS = {"DDP", "FSDP"}
+# Where fitdp's options objects may be named besides: the registry, and the public names
+# ``fitdp.DDP``/``fitdp.FSDP``.
 OPTIONS_FILES = {"executor/engines.py", "__init__.py"}
 
 
@@ -65,6 +80,20 @@ def test_engine_types_are_named_only_in_their_engine_files():
     named = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
              if {n for n, _, _ in names(p)} & (ENGINE_NAMES - OPTIONS)}
     assert named == ENGINE_FILES | {SHARDED_SAVING}, named  # torch's types: three files
+
+
+def test_the_registry_lists_each_engine_once_by_its_name():
+    """engine_for was an if-chain over "ddp"/"fsdp" and compile checked a tuple of its own:
+    now both read ENGINES, and each entry's options class makes its own engine class, with
+    the defaults, under 2 ranks of one device each (nothing is joined to make one)."""
+    cpu = torch.device("cpu")
+    assert ENGINE_FILES >= {"executor/ddp.py", "executor/fsdp.py"}
+    for name, options in ENGINES.items():
+        assert options.name == name
+        engine = engine_for(name, [cpu], 2)
+        assert type(engine) is engine_class(options) and engine.options == options()
+        model = fitdp.Model(nn.Linear(3, 2))
+        model.compile(optimizer="sgd", loss="mse", strategy=name)  # compile takes the name
 
 
 def test_the_check_sees_names_imports_and_isinstance(tmp_path):
@@ -139,7 +168,8 @@ def test_the_bucket_size_is_the_engines_own_not_the_process():
     assert small_mgr.flat.plan == [[0], [1, 2], [3]] and big_mgr.flat.plan == [[0, 1, 2, 3]]
     assert all(torch.equal(a, b) for a, b in zip(small_grads, big_grads))
     default_grads, default_mgr = step_grads(None)  # the manager's default engine
-    assert isinstance(default_mgr.engine, LocalReduce) and default_mgr.cross_rank is None
+    assert isinstance(default_mgr.engine, LocalReduce)
+    assert default_mgr.update(UpdateOptions()).cross_rank is None  # one process: no ranks
     assert all(torch.equal(a, b) for a, b in zip(default_grads, big_grads))
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 MODULES = ["balance", "flat_buckets", "group", "manager", "replica", "slicing", "step",
-           "update", "weighing", "local_reduce", "ddp", "fsdp"]
+           "update", "weighing", "local_reduce", "ddp", "fsdp", "zero1"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -39,7 +39,7 @@ def test_reduce_sums_every_device_once_and_broadcast_copies_device_0():
         m(x[2 * d:2 * d + 2]).sum().backward()  # autograd adds into the bucket views
         for e, p in zip(expected, m.parameters()):
             e += p.grad
-    update = Update(fb, list(mods[0].parameters()), None)
+    update = Update(fb, list(mods[0].parameters()))
     update.reduce_gradients()
     update.reduce_gradients()  # a second reduce adds nothing: the sources were zeroed
     for e, p in zip(expected, mods[0].parameters()):
@@ -58,7 +58,7 @@ def test_zero_grad_rebinds_a_replaced_gradient():
     fb = FlatBuckets([list(m.parameters()) for m in mods])
     first = next(mods[0].parameters())
     first.grad = torch.ones_like(first)  # e.g. a user's hook replaced it
-    Update(fb, list(mods[0].parameters()), None).zero_device(0)
+    Update(fb, list(mods[0].parameters())).zero_device(0)
     assert first.grad.data_ptr() == fb.grad_views[0][0].data_ptr() and not first.grad.any()
 
 
