@@ -12,7 +12,7 @@ import torch
 
 from fitdp.checks import check_choice, check_int
 from fitdp.data.batch import DataBatch, DataDesc
-from fitdp.data.sources.protocol import SourcePlan
+from fitdp.data.sources.protocol import SourcePlan, past_end_problem
 from fitdp.data.sources.sequences import as_labels, as_sequences, check_pad
 
 
@@ -140,8 +140,9 @@ class BucketIterator:
 
     A ``fitdp.data.sources.DataSource``: an epoch's order depends only on ``(seed, epoch)``;
     ``set_epoch(e)`` always starts epoch ``e`` at its first batch; only ``load_state_dict``
-    (``seed, epoch, position``) continues a partly consumed one. Iterating a finished epoch
-    again without ``set_epoch`` starts the next. ``set_epoch``/``load_state_dict`` end a live
+    (``seed, epoch, position``) continues a partly consumed one (one loaded at the epoch's end
+    has nothing left to yield). Iterating again after a pass that ran to the epoch's end,
+    without ``set_epoch``, starts the next. ``set_epoch``/``load_state_dict`` end a live
     iteration (one at a time).
 
     Args:
@@ -214,6 +215,10 @@ class BucketIterator:
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
         # _restarts counts set_epoch/load_state_dict calls: a live iteration stops on a change.
         self._epoch = self._position = self._restarts = 0
+        # A pass ran to the epoch's end since the last set_epoch/load_state_dict: the next
+        # iteration starts the next epoch. Not a position at the end (a loaded one, or a pass
+        # stopped after the last batch): fit then asks for the next epoch itself.
+        self._ran_out = False
 
         bucket_of = torch.searchsorted(torch.tensor(self.buckets), self._lengths)
         width = torch.tensor(self.buckets)[bucket_of]
@@ -294,33 +299,37 @@ class BucketIterator:
         """The next iteration yields all of epoch ``epoch`` (an int >= 0, else TypeError or
         ValueError), even if a call that raised or stopped early consumed part of it."""
         self._epoch, self._position = check_int("epoch", epoch, 0), 0
-        self._restarts += 1
+        self._restarts, self._ran_out = self._restarts + 1, False
 
     def state_dict(self) -> dict[str, int]:
         """Seed, epoch and batches already yielded in this epoch (plain ints)."""
         return {"seed": self.seed, "epoch": self._epoch, "position": self._position}
 
     def check_resume(self, state: Any, *, continues: bool = True) -> str | None:
-        """Why ``state`` cannot load (see ``load_state_dict``), or None."""
+        """Why ``state`` cannot load (see ``load_state_dict``), or None; with ``continues``
+        (the next iteration goes on from its position) a position past this data's batches
+        per epoch too (saved on longer data)."""
         if not isinstance(state, Mapping):
             return f"got {type(state).__name__}; expected a state_dict() result."
         if missing := {"seed", "epoch", "position"} - set(state):
             return f"lacks {sorted(missing)}; expected a state_dict() result."
-        if not 0 <= int(state["position"]) <= self._num_batches:
-            return (f"position {state['position']} does not fit this iterator's "
-                    f"{self._num_batches} batches per epoch. Fix: build the iterator with the "
-                    "same sequences, batch_size and buckets as the run that saved it.")
-        return None
+        if int(state["position"]) < 0:
+            return (f"position {state['position']} is negative; expected a state_dict() "
+                    "result (batches already yielded in its epoch).")
+        if not continues:
+            return None
+        return past_end_problem(state, rows=None, samples=None, batches=self._num_batches)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue where ``state`` left off (``set_epoch`` after it would restart the epoch);
-        a ValueError if a key is missing or the position does not fit this data."""
-        problem = self.check_resume(state)
+        """Continue where ``state`` left off (``set_epoch`` after it would restart the epoch;
+        at or past the epoch's end nothing is left of it: ``fit`` refuses a position past
+        this data's end with ``check_resume`` first); a ValueError if a key is missing."""
+        problem = self.check_resume(state, continues=False)
         if problem:
             raise ValueError(f"state: {problem}")
         self.seed, self._epoch = int(state["seed"]), int(state["epoch"])
         self._position = int(state["position"])
-        self._restarts += 1
+        self._restarts, self._ran_out = self._restarts + 1, False
 
     def _epoch_order(self, epoch: int) -> list[tuple[int, torch.Tensor]]:
         """(bucket length, sample indices) of every batch of ``epoch``; depends on (seed, epoch)."""
@@ -365,10 +374,11 @@ class BucketIterator:
                          layout=self.layout)
 
     def __iter__(self) -> Iterator[DataBatch]:
-        if self._position >= self._num_batches:  # finished epoch, no set_epoch: move on
-            self._epoch, self._position = self._epoch + 1, 0
+        if self._ran_out:  # a pass ran to the epoch's end, no set_epoch since: move on
+            self._epoch, self._position, self._ran_out = self._epoch + 1, 0, False
         restarts, order = self._restarts, self._epoch_order(self._epoch)
         while self._restarts == restarts and self._position < len(order):
             width, index = order[self._position]
             self._position += 1  # counted before the yield: a checkpoint taken in the step
             yield self._make_batch(width, index)  # that trains this batch resumes after it
+        self._ran_out = self._restarts == restarts  # (not when set_epoch ended this pass)

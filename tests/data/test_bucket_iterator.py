@@ -179,6 +179,18 @@ def test_epoch_protocol_after_a_full_pass():
     assert order(it) == nxt
 
 
+def test_a_position_loaded_at_the_epochs_end_yields_nothing_more_of_it():
+    """Regression: a position loaded at an epoch's end yielded the whole next epoch as the
+    rest of the loaded one (as a finished pass does), so fit trained that epoch twice. The
+    tensors and DataLoader sources yield nothing there; fit then calls set_epoch."""
+    it = BucketIterator(make_sequences([1 + i % 9 for i in range(20)]), None, 4, seed=0)
+    it.load_state_dict({"seed": 0, "epoch": 0, "position": len(it)})
+    assert order(it) == [] and it.state_dict()["epoch"] == 0
+    nxt = order(it)  # the empty rest ran out: a plain loop goes on to the next epoch
+    it.set_epoch(1)
+    assert it.state_dict()["epoch"] == 1 and order(it) == nxt
+
+
 def test_set_epoch_restarts_a_partly_consumed_epoch():
     # Regression (issue 9): a fit after an exception trained 6 of 9 batches (position kept).
     it = BucketIterator(make_sequences([1 + i % 9 for i in range(36)]), None, 4,
@@ -272,8 +284,13 @@ def test_bad_epoch_or_state_raises_a_clear_error():
         it.set_epoch(1.0)
     with pytest.raises(ValueError, match=r"lacks \['position'\]"):
         it.load_state_dict({"seed": 1, "epoch": 0})
-    with pytest.raises(ValueError, match=r"position 9 does not fit .* 2 batches"):
-        it.load_state_dict({"seed": 1, "epoch": 0, "position": 9})
+    with pytest.raises(ValueError, match=r"position -1 is negative"):
+        it.load_state_dict({"seed": 1, "epoch": 0, "position": -1})
+    assert it.state_dict() == {"seed": it.seed, "epoch": 0, "position": 0}  # nothing loaded
+    # (fit asks this before anything loads: see the test of data too short below)
+    assert "9 batches into epoch 0, past the end of this fit's data, which has 2 batches" in (
+        it.check_resume({"seed": 1, "epoch": 0, "position": 9}, continues=True))
+    assert it.check_resume({"seed": 1, "epoch": 0, "position": 9}, continues=False) is None
     with pytest.raises(ValueError, match=r"max_buckets: got 0"):
         choose_buckets([1, 2], 1, max_buckets=0)
     with pytest.raises(ValueError, match=r"lengths: received \[3, 0\]"):
@@ -363,3 +380,91 @@ def test_a_tagger_trains_and_its_accuracy_ignores_padding_across_buckets_and_dev
     with torch.no_grad():
         hits = torch.cat([model.module(s[None])[0].argmax(0) == t for s, t in zip(seqs, tags)])
     assert logs["accuracy"] == pytest.approx(float(hits.float().mean()), abs=1e-6)
+
+
+def bag_model() -> fitdp.Model:
+    """Mean of embedded tokens (one bag per row), then a linear head."""
+    torch.manual_seed(0)
+    model = fitdp.Model(nn.Sequential(nn.EmbeddingBag(1000, 4, mode="mean"), nn.Linear(4, 2)))
+    model.compile("adam", "cross_entropy", lr=0.05)
+    return model
+
+
+def bag_data(n: int = 24) -> BucketIterator:
+    """n sequences of lengths 2..7 in buckets [4, 8], 6 to a batch (24: 4 batches)."""
+    seqs = make_sequences([2 + i * 5 % 6 for i in range(n)])
+    return BucketIterator(seqs, torch.tensor([int(s.sum()) % 2 for s in seqs]), 6,
+                          buckets=[4, 8], seed=5)
+
+
+def crash_at_step(step: int) -> fitdp.callbacks.Callback:
+    class Crash(fitdp.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.global_step == step:
+                raise KeyboardInterrupt
+    return Crash()
+
+
+def test_a_checkpoint_of_an_epochs_last_batch_resumes_with_the_next_epoch(tmp_path):
+    """Regression (found by the equivalence harness): fit(resume=) from a checkpoint saved
+    after epoch 0's last batch (on_train_batch_end, before the epoch ended) trained a whole
+    epoch more (global_step 12 of 8 here). Keras' BackupAndRestore promises a resumed fit
+    continues the interrupted one: here it equals the uninterrupted run, bit for bit."""
+    ref = bag_model()
+    ref_loss = ref.fit(bag_data(), epochs=2, verbose=0).history["loss"]
+    last = len(bag_data())
+    with pytest.raises(KeyboardInterrupt):
+        bag_model().fit(bag_data(), epochs=2, verbose=0, callbacks=[
+            fitdp.callbacks.ModelCheckpoint(str(tmp_path / "s-{step}.ckpt"), save_freq=1),
+            crash_at_step(last)])
+    model = bag_model()
+    loss = model.fit(bag_data(), epochs=2, verbose=0,
+                     resume=str(tmp_path / f"s-{last}.ckpt")).history["loss"]
+    assert model.global_step == ref.global_step == 2 * last
+    assert loss == ref_loss
+    for a, b in zip(model.module.parameters(), ref.module.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_steps_per_epoch_ending_on_the_datas_last_batch_go_on_in_the_next_epoch():
+    """Regression: with steps_per_epoch=4 on 6 batches, fit's epoch that ended on the data's
+    last batch left the iterator to start the next data epoch by itself, unseen by fit,
+    which later called set_epoch with the number of the epoch already under way: data
+    epoch 2 trained twice, epoch 3 never. Keras draws steps_per_epoch batches from one
+    running stream of the data's epochs."""
+    seen = []
+
+    class Recorded(BucketIterator):
+        def _make_batch(self, width, index):
+            seen.append(index.tolist())
+            return super()._make_batch(width, index)
+
+    seqs = make_sequences([3] * 12 + [7] * 12)
+    data = Recorded(seqs, torch.zeros(24, dtype=torch.long), 4, buckets=[4, 8], seed=1)
+    bag_model().fit(data, epochs=5, steps_per_epoch=4, verbose=0)
+    epochs = BucketIterator(seqs, None, 4, buckets=[4, 8], seed=1)
+    assert len(epochs) == 6  # 20 batches: data epochs 0, 1, 2 and 3's first two
+    expected = []
+    for epoch in range(4):
+        epochs.set_epoch(epoch)
+        expected += order(epochs)
+    assert seen == expected[:20]
+
+
+def test_a_mid_epoch_position_past_this_datas_end_is_refused_naming_both_sizes(tmp_path):
+    """As the in-memory and DataLoader sources (data.md: a checkpoint taken further into
+    its epoch than this data reaches is a CheckpointError naming both sizes, the model left
+    as it was); before, a position was refused only past the saved data's own epochs."""
+    with pytest.raises(KeyboardInterrupt):
+        bag_model().fit(bag_data(), epochs=2, verbose=0, callbacks=[
+            fitdp.callbacks.ModelCheckpoint(str(tmp_path / "s-{step}.ckpt"), save_freq=1),
+            crash_at_step(3)])
+    model = bag_model()
+    model.fit(bag_data(6), epochs=1, verbose=0)
+    before = {k: v.clone() for k, v in model.get_weights().items()}
+    with pytest.raises(fitdp.CheckpointError, match=r"data state does not fit.*3 batches into "
+                       r"epoch 0, past the end of this fit's data, which has 2 batches"):
+        model.fit(bag_data(6), epochs=2, verbose=0, resume=str(tmp_path / "s-3.ckpt"))
+    assert model.global_step == 2
+    for key, value in model.get_weights().items():
+        assert torch.equal(value, before[key])

@@ -122,12 +122,6 @@ def stops(draw: st.DrawFn, run: Run) -> Stop | None:
     how = draw(st.sampled_from(["checkpoint", "backup"]))
     if run.kind == "generator":
         how = "checkpoint"  # a backup of every N steps may be mid-epoch
-    if run.kind == "buckets":
-        # A BucketIterator resumed from a checkpoint of its epoch's last batch trains that
-        # epoch again (found by this harness; pinned in test_harness.py, not drawn)
-        how = "checkpoint"
-        if at == "batch" and step % steps_per_epoch == 0:
-            at = "epoch_end"
     every = draw(st.integers(1, 3)) if how == "backup" else 1
     devices, loads, ranks = run.devices, run.loads, run.ranks
     if draw(st.booleans()):  # resume on another placement

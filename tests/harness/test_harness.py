@@ -56,12 +56,12 @@ PINNED = {
     # half the runs on 2 cores, so the test runs it RACE_TRIES times)
     "item5_checkpointed_functional_dropout_on_replicas": Run(
         kind="tensors", devices=3, randomness="functional", checkpointing=True, width=64),
-    # Found by this harness beyond issue 37 (reported, not fixed here; fail on today's main):
-    # a BucketIterator resumed from the checkpoint of an epoch's last batch (taken before the
-    # epoch's end) trains that epoch again (global_step 12 against 8)
-    "new_bucket_iterator_resumed_from_an_epochs_last_batch": Run(kind="buckets",
-                                                                  stop=Stop(step=4)),
-    # (fixed) a DataLoader padding each batch to its longest sequence (as Hugging Face's
+    # Found by this harness beyond issue 37 (both fixed): a BucketIterator resumed from the
+    # checkpoint of an epoch's last batch (taken before the epoch's end) trained that epoch
+    # again (global_step 12 against 8)
+    "bucket_iterator_resumed_from_an_epochs_last_batch": Run(kind="buckets",
+                                                              stop=Stop(step=4)),
+    # a DataLoader padding each batch to its longest sequence (as Hugging Face's
     # DataCollatorWithPadding) was refused as validation_data when its first batch was longer
     # than the first training batch ("expected inputs shaped like the training inputs")
     "per_batch_padded_validation_loader": Run(kind="loader_generator", varlen=True,
