@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from fitdp.call.custom_step import CustomStep
+from fitdp.call.interrupts import GUARD, Preempted
 from fitdp.call.modes import Modes
 from fitdp.call.monitor import Monitor
 from fitdp.call.plan import CallPlan, FitPlan, legacy_data, plan_call, plan_fit
 from fitdp.call.ranks import DEFAULT_TIMEOUT
 from fitdp.call.replicas import Placement, Replicas
 from fitdp.call.run_state import RunState
-from fitdp.call.session import GUARD, Preempted, Session
+from fitdp.call.session import Session
 from fitdp.callbacks import Callback, History, WeightAveraging
 from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.metrics import MetricsArg
