@@ -149,6 +149,11 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
         amounts.append(("validation_data", _amounts(val)))
     cbs = _callbacks(model, callbacks, verbose, epochs=epochs, batch_size=batch_size,
                      steps=steps or num)
+    for cb in cbs:  # what each callback can check before the first step (paths, fields)
+        check_fit = getattr(cb, "check_fit", None)
+        if check_fit is not None:
+            check_fit({**cbs.params, "validates": val is not None,
+                       "initial_epoch": initial_epoch})
     return FitPlan(
         source=train, callbacks=cbs, placement=_bucketed(placement, train),
         steps=steps, user_source=_users(data), epochs=epochs, initial_epoch=initial_epoch,

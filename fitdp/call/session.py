@@ -13,6 +13,8 @@ steps.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import itertools
 import sys
 import warnings
@@ -89,6 +91,7 @@ class Session:
         listens = cbs.listens("on_train_batch_end") or cbs.listens("on_test_batch_end")
         self.batch_reads = self.exact_logs or listens or self.distributed
         self.data_state: dict[str, Any] | None = None  # train source at the last step
+        self.start = CallStart(run, self.mgr, compiled, plan)  # (put back by ``rollback``)
         self.watching = False  # SIGTERM is read between training steps (``preemption``)
         self.vote: Any = None  # under torchrun: the flag of the last step boundary, in flight
         self.throughput = Throughput(plan.source)
@@ -552,10 +555,14 @@ class Session:
 
     def rollback(self) -> None:
         """After a failure: drop the gradients and the position of batches not stepped, and
-        give the user's data source back where the last optimizer step left it."""
+        give the user's data source back where the last optimizer step left it; a call that
+        took no optimizer step (and loaded no checkpoint's) is put back as it started
+        (``CallStart``)."""
         self.mgr.zero_grad()
         self.run.micro_step = 0
-        if self.plan.user_source and self.data_state is not None:
+        if self.run.global_step == self.start.run.global_step:
+            self.start.restore()
+        elif self.plan.user_source and self.data_state is not None:
             self.plan.source.load_state_dict(self.data_state)
 
     def close(self) -> None:
@@ -564,6 +571,41 @@ class Session:
         if self.monitor is not None:
             self.monitor.remove()
             self.mgr.monitor = None
+
+
+class CallStart:
+    """What a call that fails before its first optimizer step must leave as it found: the
+    run's position and flags (``fit`` resets them when it starts), the replicas' buffers (the
+    failed first forward moved BatchNorm statistics), the optimizer's hyperparameters (a
+    callback's ``on_epoch_begin`` sets the rate) and the user's training source. Kept once
+    per call: a copy of the buffers, never of the weights (no step, no change to them)."""
+
+    def __init__(self, run: RunState, mgr: Any, compiled: Compiled | None,
+                 plan: CallPlan) -> None:
+        self.run = dataclasses.replace(run)
+        self._live_run = run
+        training = isinstance(plan, FitPlan)
+        self.buffers = [[t.detach().clone() for t in block] for block in mgr.aux_arrays] \
+            if training else []
+        self._mgr = mgr
+        optimizer = compiled.optimizer if training and compiled is not None else None
+        self.groups = [] if optimizer is None else [
+            (group, {k: copy.copy(v) for k, v in group.items() if k != "params"})
+            for group in optimizer.param_groups]
+        self.source = plan.source if training and plan.user_source else None
+        self.position = self.source.state_dict() if self.source is not None else None
+
+    def restore(self) -> None:
+        for field in dataclasses.fields(self.run):
+            setattr(self._live_run, field.name, getattr(self.run, field.name))
+        with torch.no_grad():
+            for block, saved in zip(self._mgr.aux_arrays, self.buffers):
+                for t, old in zip(block, saved):
+                    t.copy_(old)
+        for group, values in self.groups:
+            group.update(values)
+        if self.source is not None:
+            self.source.load_state_dict(self.position)
 
 
 def _host_copier(replicas: Replicas) -> Callable[[torch.Tensor], torch.Tensor]:

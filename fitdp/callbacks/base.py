@@ -58,6 +58,13 @@ class Callback:
         """Receive the run's parameters: `epochs`, `steps`, `verbose`, `batch_size`, `resumed`."""
         self.params = dict(params)
 
+    def check_fit(self, params: dict[str, Any]) -> None:
+        """Called while ``fit`` checks its arguments, before anything changes, with the
+        run's parameters (`set_params`'s, plus `validates`: whether the fit validates, and
+        `initial_epoch`): raise a ValueError naming the argument for what cannot work in this
+        fit (a folder that cannot be made, a file-name field the logs will not have), so it
+        is not found after an epoch of training."""
+
     # The field that tells two callbacks of one class apart in a checkpoint (a built-in's
     # file path or monitored key), or None.
     state_field: str | None = None
