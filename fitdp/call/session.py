@@ -604,7 +604,7 @@ class CallStart:
                     t.copy_(old)
         for group, values in self.groups:
             group.update(values)
-        if self.source is not None:
+        if self.source is not None and self.position is not None:
             self.source.load_state_dict(self.position)
 
 
