@@ -34,10 +34,10 @@ from fitdp.call.replicas import Replicas
 from fitdp.call.run_state import RunState
 from fitdp.call.throughput import Throughput
 from fitdp.callbacks import CallbackList
-from fitdp.checks import FitdpWarning
+from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.losses import explain_failure
 from fitdp.compiled.setup import Compiled
-from fitdp.data.batch import DataBatch, batch_length, take_rows, tree_cat, tree_map
+from fitdp.data.batch import DataBatch, batch_labels, batch_length, take_rows, tree_cat, tree_map
 from fitdp.data.sequence import PAD_VALUE
 from fitdp.data.sources import DataSource
 from fitdp.executor.checkpointing import ActivationCheckpointing
@@ -391,6 +391,8 @@ class Session:
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
             self._one_batch(self.test, batch)
+            if index == 0:
+                self._check_own_loss(source, batch)
             if not self.verified:
                 self._first_batch_checks(batch)
             return self._batch_logs(index)
@@ -448,9 +450,10 @@ class Session:
         zeroing and optimizer step), checked first; the user's errors come back with what
         the batch held."""
         compiled = self.compiled
-        uncounted = getattr(compiled.objective, "warn_uncounted", None) if compiled else None
-        if uncounted is not None and bound.is_train:  # compile(loss=None)
-            uncounted(batch.data, batch.label)
+        own = getattr(compiled.objective, "check_first_batch", None) if compiled else None
+        if own is not None:  # compile(loss=None)
+            module = self.replicas.modules()[0] if self.custom is None else None
+            own(batch.data, batch.label, module, bound.is_train)
         custom_rows = getattr(compiled.objective, "warn_custom_step_rows", None) \
             if compiled is not None and self.custom is not None else None
         several = len(self.mgr.devices) > 1 or self.plan.ranks.enabled
@@ -468,6 +471,26 @@ class Session:
             if raised_in_fitdp(err):
                 raise
             raise explain_failure(err, batch, "x") from err
+
+    def _check_own_loss(self, source: DataSource, batch: DataBatch) -> None:
+        """After a test pass's first batch under ``compile(loss=None)``, when it held no
+        labels: the module returned a loss (else the result would be empty, ``{}``).
+
+        Raises:
+            ValueError: naming the data (``x`` or ``validation_data``).
+        """
+        compiled = self.compiled
+        if compiled is None or self.custom is not None or not hasattr(
+                compiled.objective, "loss_of") or batch_labels(batch.data,
+                                                               batch.label) is not None:
+            return
+        if not float(self.mgr.loss_state()[1]):  # (a host read, only for such a batch)
+            name = "validation_data" if source is getattr(self.plan, "val", None) else "x"
+            fail(name, "batches the module computed no loss for (no labels in them)",
+                 "batches that hold the labels the module's own loss needs "
+                 "(compile(loss=None))", "put 'labels' in each batch (a Hugging Face "
+                 "collator does), or use predict for outputs without a loss",
+                 described=True)
 
     def _set_mode(self, training: bool) -> None:
         """Every replica in a ``training`` pass's modes (``fitdp.call.modes``), once per pass."""
@@ -553,17 +576,22 @@ class Session:
             return False
         return plan.steps is not None or (not run["epoch_done"] and run["batch"] > 0)
 
-    def rollback(self) -> None:
-        """After a failure: drop the gradients and the position of batches not stepped, and
+    def rollback(self, error: BaseException) -> None:
+        """After ``error``: drop the gradients and the position of batches not stepped, and
         give the user's data source back where the last optimizer step left it; a call that
         took no optimizer step (and loaded no checkpoint's) is put back as it started
-        (``CallStart``)."""
+        (``CallStart``). Then the callbacks' ``on_exception``."""
         self.mgr.zero_grad()
         self.run.micro_step = 0
         if self.run.global_step == self.start.run.global_step:
             self.start.restore()
         elif self.plan.user_source and self.data_state is not None:
             self.plan.source.load_state_dict(self.data_state)
+        try:
+            self.plan.callbacks.call("on_exception", error)
+        except Exception as hook_err:  # noqa: BLE001 - the call's own error is raised
+            warnings.warn(f"a callback's on_exception failed too: {hook_err!r}",
+                          FitdpWarning, stacklevel=3)
 
     def close(self) -> None:
         if self.checkpointing is not None:
