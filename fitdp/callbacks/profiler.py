@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -62,10 +63,11 @@ class Profiler(Callback):
                  with_stack: bool = False) -> None:
         super().__init__()
         self.dir = check_path_arg("Profiler(dir=...)", dir, "'runs/profile'")
-        self.wait = check_int("Profiler(wait=...)", wait, 0)
-        self.warmup = check_int("Profiler(warmup=...)", warmup, 0)
-        self.active = check_int("Profiler(active=...)", active, 1)
-        self.repeat = check_int("Profiler(repeat=...)", repeat, 0)
+        # (steps torch.profiler counts in C integers: sys.maxsize at most)
+        self.wait = check_int("Profiler(wait=...)", wait, 0, maximum=sys.maxsize)
+        self.warmup = check_int("Profiler(warmup=...)", warmup, 0, maximum=sys.maxsize)
+        self.active = check_int("Profiler(active=...)", active, 1, maximum=sys.maxsize)
+        self.repeat = check_int("Profiler(repeat=...)", repeat, 0, maximum=sys.maxsize)
         check_folder("Profiler(dir=...)", self.dir)
         self.record_shapes = check_bool("Profiler(record_shapes=...)", record_shapes)
         self.profile_memory = check_bool("Profiler(profile_memory=...)", profile_memory)
