@@ -9,8 +9,8 @@ Example:
 from fitdp import callbacks, executor
 from fitdp._version import __version__
 from fitdp.call.gather import all_gather
+from fitdp.call.interrupts import Preempted
 from fitdp.call.monitor import Monitor
-from fitdp.call.session import Preempted
 from fitdp.data.batch import DataBatch, DataDesc
 from fitdp.data.bucketing import BucketIterator
 from fitdp.data.sequence import TokenMean

@@ -22,9 +22,10 @@ class FitdpWarning(UserWarning):
 
 def describe(value: Any) -> str:
     """A short description of a received value for messages: its repr and, for non-numbers,
-    its type (``'5' (str)``)."""
+    its type (``'5' (str)``). Long reprs are cut to 60 characters, never a string or path:
+    a cut path loses its file name, what matters most."""
     text = repr(value)
-    if len(text) > 60:
+    if len(text) > 60 and not isinstance(value, (str, os.PathLike)):
         text = text[:57] + "..."
     if isinstance(value, (bool, int, float)) and not isinstance(value, bool):
         return text
@@ -158,6 +159,65 @@ def check_choice(name: str, value: Any, choices: Collection[Any], fix: str = "")
     except (TypeError, ValueError):  # unhashable against a set; an array's == is per element
         pass
     fail(name, value, "one of " + ", ".join(repr(c) for c in choices), fix)
+
+
+def check_bool(name: str, value: Any, fix: str = "") -> bool:
+    """``value`` if it is a Python bool: a flag given ``"no"``, ``1`` or an array is a
+    TypeError, never read as truthy (``async_save="no"`` must not turn async saving on).
+
+    Example:
+        >>> check_bool("async_save", False)
+        False
+    """
+    if isinstance(value, bool):
+        return value
+    fail(name, value, "True or False", fix, error=TypeError)
+
+
+def check_folder(name: str, path: str, fix: str = "") -> str:
+    """``path`` as a folder that can be made and written into: neither it nor a folder above
+    it is a file, and the nearest existing folder is writable (checked before a call
+    changes anything, so a bad path is not found at the first save).
+
+    Raises:
+        ValueError: naming the file in the way, or the folder that cannot be written.
+
+    Example:
+        >>> check_folder("CSVLogger(filename=...)", "runs")
+        'runs'
+    """
+    whole = os.path.abspath(path)
+    probe = whole
+    while not os.path.isdir(probe):
+        if os.path.lexists(probe):
+            where = "is a file" if probe == whole else f"is under {probe!r}, a file"
+            fail(name, f"{path!r}, which {where}", "a folder, or a path where one can be "
+                 "made", fix or "pass a path whose folders are folders (remove or rename "
+                 "the file)", described=True)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return path
+        probe = parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        fail(name, f"{path!r}, under {probe!r}, which this process cannot write to",
+             "a folder this process can write", fix or "pass a writable path",
+             described=True)
+    return path
+
+
+def check_file_target(name: str, path: str, fix: str = "") -> str:
+    """``path`` as a file to write later: not a folder, and its folder can be made
+    (``check_folder``).
+
+    Example:
+        >>> check_file_target("CSVLogger(filename=...)", "runs/log.csv")
+        'runs/log.csv'
+    """
+    if os.path.isdir(path):
+        fail(name, f"{path!r}, a folder", "a file, not a folder", fix or "name a file inside "
+             "it", described=True)
+    check_folder(name, os.path.dirname(path) or ".", fix)
+    return path
 
 
 def check_path_arg(name: str, path: Any, example: str) -> str:

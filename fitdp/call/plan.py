@@ -94,7 +94,35 @@ class Whole(enum.Enum):
 WHOLE = Whole.ROWS
 
 
-def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int | Whole,
+DEFAULT_BATCH_SIZE = 32  # fit/evaluate/predict's batch_size=None, for data fitdp batches
+
+
+def _batch_size(batch_size: int | Whole | None, data: UserData) -> int | Whole:
+    """The batch size of data fitdp batches (None: 32). Data that makes its own batches of a
+    known size (a DataLoader's ``batch_size``, a BucketIterator's) would ignore another
+    one, so that is refused: Keras's fit says not to pass it for such data, and refuses
+    the other arguments such data holds itself (``y``, ``sample_weight``)."""
+    if batch_size is None:
+        return DEFAULT_BATCH_SIZE
+    own = _own_batch_size(data, batch_size)
+    if data.kind in (Kind.BATCHES, Kind.GENERATOR, Kind.SOURCE) and own is not None \
+            and not isinstance(batch_size, Whole) and own != batch_size:
+        fail("batch_size", batch_size, f"None or {own}: x is {data.kind.value}, which "
+             f"makes its own batches of {own} rows", "drop batch_size=..., and set the "
+             "batch size where the batches are made (DataLoader(..., batch_size=...))")
+    return batch_size
+
+
+def _own_batch_size(data: UserData, batch_size: int | Whole) -> int | None:
+    """The batch size callbacks are told (``params["batch_size"]``): the call's, or the
+    DataLoader's own for data that makes its own batches (None when unknown)."""
+    if data.kind in (Kind.BATCHES, Kind.GENERATOR, Kind.SOURCE):
+        own = getattr(data.x, "batch_size", None)
+        return own if isinstance(own, int) and not isinstance(own, bool) else None
+    return batch_size if isinstance(batch_size, int) else None
+
+
+def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int | Whole | None,
              epochs: int, verbose: Any, callbacks: Any, validation_split: Any, validation_data: Any,
              shuffle: bool, class_weight: Any, initial_epoch: int, steps_per_epoch: Any,
              validation_steps: Any, validation_batch_size: Any, validation_freq: Any,
@@ -105,7 +133,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
     every row of in-memory data (``train_on_batch``)."""
     for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
                              ("initial_epoch", initial_epoch, 0), ("log_every", log_every, 1)):
-        if not isinstance(value, Whole):
+        if not isinstance(value, Whole) and not (name == "batch_size" and value is None):
             check_int(name, value, low)
     steps = None if steps_per_epoch is None else _steps("steps_per_epoch", steps_per_epoch)
     val_steps = None if validation_steps is None else _steps("validation_steps",
@@ -125,6 +153,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
     keep = forward.columns if forward is not None else None
     data = read_data(x, y, sample_weight, labels_optional=model.labels_optional,
                      collate_fn=collate_fn, keep=keep)
+    batch_size = _batch_size(batch_size, data)
     if isinstance(batch_size, Whole):
         batch_size = data.rows()
     val_batch = batch_size if validation_batch_size is None else check_int(
@@ -159,8 +188,13 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
     amounts = [("x", _amounts(train))]
     if val is not None:
         amounts.append(("validation_data", _amounts(val)))
-    cbs = _callbacks(model, callbacks, verbose, epochs=epochs, batch_size=batch_size,
-                     steps=steps or num)
+    cbs = _callbacks(model, callbacks, verbose, epochs=epochs,
+                     batch_size=_own_batch_size(data, batch_size), steps=steps or num)
+    for cb in cbs:  # what each callback can check before the first step (paths, fields)
+        check_fit = getattr(cb, "check_fit", None)
+        if check_fit is not None:
+            check_fit({**cbs.params, "validates": val is not None,
+                       "initial_epoch": initial_epoch})
     return FitPlan(
         source=train, callbacks=cbs, placement=_bucketed(placement, train),
         steps=steps, user_source=_users(data), epochs=epochs, initial_epoch=initial_epoch,
@@ -203,13 +237,13 @@ def _micro_batch_size(model: Any, reproducible: Any, micro_batch_size: Any,
     return micro  # (FSDP2 is refused when the step is bound: ``ReproducibleStep``)
 
 
-def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int | Whole,
-              verbose: Any, callbacks: Any, steps: Any, devices: DevicesArg,
-              has_labels: bool, work_load_list: Any = None, collate_fn: Any = None
-              ) -> CallPlan:
+def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *,
+              batch_size: int | Whole | None, verbose: Any, callbacks: Any, steps: Any,
+              devices: DevicesArg, has_labels: bool, work_load_list: Any = None,
+              collate_fn: Any = None) -> CallPlan:
     """``evaluate`` (``has_labels``) or ``predict``; ``batch_size=WHOLE``: one batch of every
     row of in-memory data (``test_on_batch``, ``predict_on_batch``)."""
-    if not isinstance(batch_size, Whole):
+    if not isinstance(batch_size, Whole) and batch_size is not None:
         check_int("batch_size", batch_size, 1)
     steps = None if steps is None else _steps("steps", steps)
     placement, auto = _place(model, devices, work_load_list, None)
@@ -218,13 +252,14 @@ def plan_call(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int
     data = read_data(x, y, sample_weight, has_labels=has_labels,
                      labels_optional=model.labels_optional, collate_fn=collate_fn,
                      keep=forward.columns if forward is not None else None)
+    batch_size = _batch_size(batch_size, data)
     if isinstance(batch_size, Whole):
         batch_size = data.rows()
     source = data.source(batch_size=batch_size, shuffle=False, seed=0, rank=ranks.rank,
                          world_size=ranks.world_size,
                          pin_memory=pin_host_batches(placement.devices))
     cbs = _callbacks(model, callbacks, verbose, steps=steps or source.num_batches,
-                     batch_size=batch_size)
+                     batch_size=_own_batch_size(data, batch_size))
     return CallPlan(source=source, callbacks=cbs, placement=_bucketed(placement, source),
                     steps=steps, user_source=_users(data),
                     borrowed=(source,) if _users(data) else (), auto_loads=auto,

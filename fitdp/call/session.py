@@ -5,28 +5,21 @@ owns what only lives that long (the latest logs, the data position of the last o
 step, the first-batch checks) and changes the model's lasting state only through the
 ``RunState``, the compiled setup's optimizer and the replicas.
 
-Its steps run whole (the signals section at the end): Ctrl-C between steps, never inside
-one, as SIGINT is held while a step changes state; and SIGTERM (a preempted job) read as a
-flag between steps. A KeyboardInterrupt that lands between the optimizer step on device 0
-and the broadcast of its parameters leaves replicas that disagree (measured before this
-guard: 5 of 16 trials). So a step runs in ``GUARD``'s critical section: a SIGINT that arrives
-then is held and raised as KeyboardInterrupt when the section ends. Installing a signal
-handler costs about 10 us, too much per step on a small model, so ``Model`` installs it once
-per call with ``GUARD.installed()``; ``GUARD.critical()`` installs it for its own duration
-when nobody has.
+Its steps run whole (``fitdp.call.interrupts``): each runs inside ``GUARD``, so a Ctrl-C
+lands between steps, never inside one; SIGTERM (a preempted job) is read as a flag between
+steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import itertools
-import signal
 import sys
-import threading
 import warnings
 from collections.abc import Callable, Generator, Iterator, Mapping
-from types import FrameType
 from typing import Any
 
 import torch
@@ -34,6 +27,7 @@ from torch import nn
 
 from fitdp.call.batches import PREDICT, TEST, TRAIN, assemble, run_batches
 from fitdp.call.first_batch import check_outputs, raised_in_fitdp
+from fitdp.call.interrupts import GUARD, SIGTERM, Preempted
 from fitdp.call.modes import Modes
 from fitdp.call.monitor import Monitor
 from fitdp.call.plan import CallPlan, FitPlan
@@ -42,10 +36,10 @@ from fitdp.call.run_state import RunState
 from fitdp.call.throughput import Throughput
 from fitdp.callbacks import CallbackList
 from fitdp.callbacks.base import is_log_point
-from fitdp.checks import FitdpWarning
+from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.losses import explain_failure
 from fitdp.compiled.setup import Compiled
-from fitdp.data.batch import DataBatch, batch_length, take_rows, tree_cat, tree_map
+from fitdp.data.batch import DataBatch, batch_labels, batch_length, take_rows, tree_cat, tree_map
 from fitdp.data.sources import DataSource
 from fitdp.executor.checkpointing import ActivationCheckpointing
 from fitdp.executor.replica import call_module
@@ -108,6 +102,7 @@ class Session:
         cbs.set_params({**cbs.params, "log_every": self.log_every})
         self.grad_norm = cbs.logs_grad_norm  # "grad_norm" in the training logs
         self.data_state: dict[str, Any] | None = None  # train source at the last step
+        self.start = CallStart(run, self.mgr, compiled, plan)  # (put back by ``rollback``)
         self.watching = False  # SIGTERM is read between training steps (``preemption``)
         self.vote: Any = None  # under torchrun: the flag of the last step boundary, in flight
         self.throughput = Throughput(plan.source)
@@ -418,6 +413,8 @@ class Session:
 
         def step(batch: DataBatch, index: int) -> dict[str, float]:
             self._one_batch(self.test, batch)
+            if index == 0:
+                self._check_own_loss(source, batch)
             if not self.verified:
                 self._first_batch_checks(batch)
             return self._batch_logs(index)
@@ -478,9 +475,10 @@ class Session:
         zeroing and optimizer step), checked first; the user's errors come back with what
         the batch held."""
         compiled = self.compiled
-        uncounted = getattr(compiled.objective, "warn_uncounted", None) if compiled else None
-        if uncounted is not None and bound.is_train:  # compile(loss=None)
-            uncounted(batch.data, batch.label)
+        own = getattr(compiled.objective, "check_first_batch", None) if compiled else None
+        if own is not None:  # compile(loss=None)
+            module = self.replicas.modules()[0] if self.custom is None else None
+            own(batch.data, batch.label, module, bound.is_train)
         custom_rows = getattr(compiled.objective, "warn_custom_step_rows", None) \
             if compiled is not None and self.custom is not None else None
         several = len(self.mgr.devices) > 1 or self.plan.ranks.enabled
@@ -503,6 +501,26 @@ class Session:
             if raised_in_fitdp(err):
                 raise
             raise explain_failure(err, batch, "x") from err
+
+    def _check_own_loss(self, source: DataSource, batch: DataBatch) -> None:
+        """After a test pass's first batch under ``compile(loss=None)``, when it held no
+        labels: the module returned a loss (else the result would be empty, ``{}``).
+
+        Raises:
+            ValueError: naming the data (``x`` or ``validation_data``).
+        """
+        compiled = self.compiled
+        if compiled is None or self.custom is not None or not hasattr(
+                compiled.objective, "loss_of") or batch_labels(batch.data,
+                                                               batch.label) is not None:
+            return
+        if not float(self.mgr.loss_state()[1]):  # (a host read, only for such a batch)
+            name = "validation_data" if source is getattr(self.plan, "val", None) else "x"
+            fail(name, "batches the module computed no loss for (no labels in them)",
+                 "batches that hold the labels the module's own loss needs "
+                 "(compile(loss=None))", "put 'labels' in each batch (a Hugging Face "
+                 "collator does), or use predict for outputs without a loss",
+                 described=True)
 
     def _set_mode(self, training: bool) -> None:
         """Every replica in a ``training`` pass's modes (``fitdp.call.modes``), once per pass."""
@@ -610,13 +628,22 @@ class Session:
             return False
         return plan.steps is not None or (not run["epoch_done"] and run["batch"] > 0)
 
-    def rollback(self) -> None:
-        """After a failure: drop the gradients and the position of batches not stepped, and
-        give the user's data source back where the last optimizer step left it."""
+    def rollback(self, error: BaseException) -> None:
+        """After ``error``: drop the gradients and the position of batches not stepped, and
+        give the user's data source back where the last optimizer step left it; a call that
+        took no optimizer step (and loaded no checkpoint's) is put back as it started
+        (``CallStart``). Then the callbacks' ``on_exception``."""
         self.mgr.zero_grad()
         self.run.micro_step = 0
-        if self.plan.user_source and self.data_state is not None:
+        if self.run.global_step == self.start.run.global_step:
+            self.start.restore()
+        elif self.plan.user_source and self.data_state is not None:
             self.plan.source.load_state_dict(self.data_state)
+        try:
+            self.plan.callbacks.call("on_exception", error)
+        except Exception as hook_err:  # noqa: BLE001 - the call's own error is raised
+            warnings.warn(f"a callback's on_exception failed too: {hook_err!r}",
+                          FitdpWarning, stacklevel=3)
 
     def close(self) -> None:
         if self.checkpointing is not None:
@@ -624,6 +651,41 @@ class Session:
         if self.monitor is not None:
             self.monitor.remove()
             self.mgr.monitor = None
+
+
+class CallStart:
+    """What a call that fails before its first optimizer step must leave as it found: the
+    run's position and flags (``fit`` resets them when it starts), the replicas' buffers (the
+    failed first forward moved BatchNorm statistics), the optimizer's hyperparameters (a
+    callback's ``on_epoch_begin`` sets the rate) and the user's training source. Kept once
+    per call: a copy of the buffers, never of the weights (no step, no change to them)."""
+
+    def __init__(self, run: RunState, mgr: Any, compiled: Compiled | None,
+                 plan: CallPlan) -> None:
+        self.run = dataclasses.replace(run)
+        self._live_run = run
+        training = isinstance(plan, FitPlan)
+        self.buffers = [[t.detach().clone() for t in block] for block in mgr.aux_arrays] \
+            if training else []
+        self._mgr = mgr
+        optimizer = compiled.optimizer if training and compiled is not None else None
+        self.groups = [] if optimizer is None else [
+            (group, {k: copy.copy(v) for k, v in group.items() if k != "params"})
+            for group in optimizer.param_groups]
+        self.source = plan.source if training and plan.user_source else None
+        self.position = self.source.state_dict() if self.source is not None else None
+
+    def restore(self) -> None:
+        for field in dataclasses.fields(self.run):
+            setattr(self._live_run, field.name, getattr(self.run, field.name))
+        with torch.no_grad():
+            for block, saved in zip(self._mgr.aux_arrays, self.buffers):
+                for t, old in zip(block, saved):
+                    t.copy_(old)
+        for group, values in self.groups:
+            group.update(values)
+        if self.source is not None and self.position is not None:
+            self.source.load_state_dict(self.position)
 
 
 def _host_copier(replicas: Replicas) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -643,137 +705,3 @@ def _host_copier(replicas: Replicas) -> Callable[[torch.Tensor], torch.Tensor]:
         return t.to("cpu", copy=True)
 
     return to_host
-
-
-# -- signals: Ctrl-C held during a step, SIGTERM read between steps ---------------------------
-
-class InterruptGuard:
-    """Holds SIGINT while a critical section runs (main thread only; elsewhere a no-op, as
-    Python delivers signals to the main thread alone).
-
-    Example:
-        >>> guard = InterruptGuard()
-        >>> with guard.installed(), guard.critical():
-        ...     pass  # a Ctrl-C here surfaces when the block ends
-    """
-
-    def __init__(self) -> None:
-        self._depth = 0
-        self._installs = 0
-        self._pending = False
-        self._previous: Any = None
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if self._depth:
-            self._pending = True
-            return
-        previous = self._previous
-        if callable(previous) and previous is not signal.default_int_handler:
-            previous(signum, frame)
-        else:
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        """Install the SIGINT handler for the duration (re-entrant)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        if self._installs == 0:
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        self._installs += 1
-        try:
-            yield
-        finally:
-            self._installs -= 1
-            if self._installs == 0:
-                signal.signal(signal.SIGINT, self._previous)
-                self._previous = None
-
-    def critical(self) -> contextlib.AbstractContextManager[None]:
-        """Run the block whole: a SIGINT during it is raised when it ends. Returns the guard
-        itself (a reusable context: entering it is two calls) once ``installed()``, else a
-        context that installs the handler for the block."""
-        if self._installs == 0 and threading.current_thread() is threading.main_thread():
-            return self._installed_critical()
-        return self
-
-    @contextlib.contextmanager
-    def _installed_critical(self) -> Iterator[None]:
-        with self.installed(), self:
-            yield
-
-    def __enter__(self) -> None:
-        """Enter a critical section (re-entrant: the depth is counted); the caller has the
-        handler ``installed()`` (else a SIGINT is not held)."""
-        self._depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self._depth -= 1
-        if self._pending and self._depth == 0:
-            self._pending = False
-            raise KeyboardInterrupt
-
-
-GUARD = InterruptGuard()  # one per process: there is one SIGINT handler slot
-
-
-class Preempted(SystemExit):
-    """``fit`` stopped on SIGTERM (a preempted job): the step that was running finished,
-    every ``BackupAndRestore`` of the call wrote its backup, and the model is as after that
-    step. A subclass of ``SystemExit`` with code 143 (128 + SIGTERM, what a shell reports for
-    a process SIGTERM ended), so a script that does not catch it exits as a terminated job
-    does, quietly; run the same script again and it resumes from the backup.
-
-    Example:
-        >>> err = Preempted("fit: preempted")
-        >>> err.code, str(err)
-        (143, 'fit: preempted')
-    """
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.code = 143
-
-
-class SigtermFlag:
-    """Turns SIGTERM into a flag read between steps, while ``installed()`` (main thread only:
-    Python runs signal handlers there alone); the previous handler comes back after.
-
-    Example:
-        >>> flag = SigtermFlag()
-        >>> with flag.installed() as on:
-        ...     on, flag.requested
-        (True, False)
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True  # acted on at the next step boundary, never inside a step
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[bool]:
-        """Catch SIGTERM for the duration; yields whether the handler is in place. A SIGTERM
-        caught and not acted on (it came after the last step) is sent again to the previous
-        handler once it is back, so it is never swallowed."""
-        if threading.current_thread() is not threading.main_thread():
-            yield False
-            return
-        self.requested = False
-        previous = signal.signal(signal.SIGTERM, self._handler)
-        acted = False
-        try:
-            yield True
-        except Preempted:
-            acted = True
-            raise
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            pending, self.requested = self.requested, False
-            if pending and not acted:
-                signal.raise_signal(signal.SIGTERM)
-
-
-SIGTERM = SigtermFlag()  # one per process: there is one SIGTERM handler slot

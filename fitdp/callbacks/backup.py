@@ -8,7 +8,7 @@ from typing import Any
 
 from fitdp.callbacks._save_freq import check_save_freq, step_save_due
 from fitdp.callbacks.base import Callback
-from fitdp.checks import check_path_arg
+from fitdp.checks import check_bool, check_folder, check_path_arg
 from fitdp.saving.seal import CheckpointError, verify
 from fitdp.saving.sharded import is_checkpoint, remove_checkpoint, verify_sharded
 
@@ -41,8 +41,9 @@ class BackupAndRestore(Callback):
             thread writes the backup.
 
     Raises:
-        TypeError: `backup_dir` is not a non-empty string or path.
-        ValueError: `save_freq` is neither "epoch" nor a positive int.
+        TypeError: `backup_dir` is not a non-empty string or path; a flag is not a bool.
+        ValueError: `save_freq` is neither "epoch" nor a positive int; `backup_dir` is (or
+            is under) a file.
 
     Example:
         >>> backup = BackupAndRestore("/tmp/run1-backup", save_freq=500, double_checkpoint=True)
@@ -60,10 +61,13 @@ class BackupAndRestore(Callback):
         super().__init__()
         self.backup_dir = check_path_arg("BackupAndRestore(backup_dir=...)", backup_dir,
                                          "'runs/backup'")
+        check_folder("BackupAndRestore(backup_dir=...)", self.backup_dir)
         self.save_freq = check_save_freq(save_freq, "BackupAndRestore", "optimizer steps")
-        self.delete_checkpoint = bool(delete_checkpoint)
-        self.double_checkpoint = bool(double_checkpoint)
-        self.async_save = bool(async_save)
+        self.delete_checkpoint = check_bool("BackupAndRestore(delete_checkpoint=...)",
+                                            delete_checkpoint)
+        self.double_checkpoint = check_bool("BackupAndRestore(double_checkpoint=...)",
+                                            double_checkpoint)
+        self.async_save = check_bool("BackupAndRestore(async_save=...)", async_save)
         self.path = os.path.join(self.backup_dir, self.FILENAME)
         self.previous_path = os.path.join(self.backup_dir, self.PREVIOUS)
         self._pending = False  # an async save may still be writing
@@ -73,6 +77,10 @@ class BackupAndRestore(Callback):
     def state_key(self) -> str:
         """`BackupAndRestore[<backup_dir>]`."""
         return f"BackupAndRestore[{self.backup_dir}]"
+
+    def check_fit(self, params: dict[str, Any]) -> None:
+        """The backup folder can still be made (a file put there since is found now)."""
+        check_folder("BackupAndRestore(backup_dir=...)", self.backup_dir)
 
     def resume_path(self) -> str | None:
         """The backup to resume from (an earlier `fit` did not finish), else None.

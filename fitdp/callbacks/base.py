@@ -7,7 +7,7 @@ from typing import Any
 # Every hook a model may dispatch, with Keras names. `on_batch_begin/end` are Keras aliases that
 # `on_train_batch_begin/end` forward to, so they are not dispatched on their own.
 HOOKS: tuple[str, ...] = (
-    "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+    "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_exception",
     "on_train_batch_begin", "on_train_batch_end",
     "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
     "on_predict_begin", "on_predict_end", "on_predict_batch_begin", "on_predict_batch_end",
@@ -69,6 +69,13 @@ class Callback:
         """Receive the run's parameters: `epochs`, `steps`, `verbose`, `batch_size`, `resumed`."""
         self.params = dict(params)
 
+    def check_fit(self, params: dict[str, Any]) -> None:
+        """Called while ``fit`` checks its arguments, before anything changes, with the
+        run's parameters (`set_params`'s, plus `validates`: whether the fit validates, and
+        `initial_epoch`): raise a ValueError naming the argument for what cannot work in this
+        fit (a folder that cannot be made, a file-name field the logs will not have), so it
+        is not found after an epoch of training."""
+
     # The field that tells two callbacks of one class apart in a checkpoint (a built-in's
     # file path or monitored key), or None.
     state_field: str | None = None
@@ -115,6 +122,12 @@ class Callback:
 
     def on_train_end(self, logs: dict[str, float] | None = None) -> None:
         """Called once at the end of a successful `fit`."""
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Called when `fit`, `evaluate` or `predict` fails (an error, Ctrl-C or SIGTERM),
+        after the model is put back as after its last completed step, before the error is
+        raised (Lightning's hook): end what the call started, e.g. mark a tracked run
+        failed. An error raised here is a warning; the call's own error is raised."""
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         """Called at the start of each epoch (`epoch` is 0-based)."""

@@ -7,7 +7,7 @@ import os
 from typing import IO, Any
 
 from fitdp.callbacks.base import Callback
-from fitdp.checks import check_path, fail
+from fitdp.checks import check_bool, check_file_target, check_path, fail
 
 _MISSING = "NA"  # Keras's placeholder; pandas reads it as NaN
 
@@ -26,8 +26,10 @@ class CSVLogger(Callback):
         append: keep an existing file and add rows (its header is reused, not rewritten).
 
     Raises:
-        TypeError: `filename` is not a string or path, `separator` not a string.
-        ValueError: `filename` is empty or a folder; `separator` is not one character.
+        TypeError: `filename` is not a string or path, `separator` not a string, `append`
+            not a bool.
+        ValueError: `filename` is empty, a folder or under a file; `separator` is not one
+            character.
 
     Example:
         >>> logger = CSVLogger("runs/train.csv", append=True)
@@ -45,26 +47,35 @@ class CSVLogger(Callback):
             fail("CSVLogger(separator=...)", separator, "one character such as ',' or '\\t'",
                  error=TypeError if not isinstance(separator, str) else ValueError)
         self.separator = separator
-        self.append = bool(append)
+        self.append = check_bool("CSVLogger(append=...)", append)
+        check_file_target("CSVLogger(filename=...)", self.filename)
         self.keys: list[str] | None = None  # the header, "epoch" first
         self._file: IO[str] | None = None
 
+    def check_fit(self, params: dict[str, Any]) -> None:
+        """The file can still be written (a file put in its folder's place is found now)."""
+        check_file_target("CSVLogger(filename=...)", self.filename)
+
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
-        if not self._is_main_process():
-            return
+        self.keys = None
+        self._close()
+
+    def _open(self) -> IO[str]:
+        """The file, opened at the first row: a fit that fails before its first epoch ends
+        leaves an earlier log as it was (Keras opens, and truncates, it at the start)."""
         folder = os.path.dirname(self.filename)
         if folder:
             os.makedirs(folder, exist_ok=True)
-        self.keys = None
         if self.append and os.path.isfile(self.filename):
             with open(self.filename, newline="") as f:
                 self.keys = next(csv.reader(f, delimiter=self.separator), None)
-        mode = "a" if self.append and self.keys else "w"
-        self._file = open(self.filename, mode, newline="")
+        return open(self.filename, "a" if self.append and self.keys else "w", newline="")
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
-        if self._file is None:
+        if not self._is_main_process():
             return
+        if self._file is None:
+            self._file = self._open()
         logs = logs or {}
         if self.keys is None:
             self.keys = ["epoch"] + sorted(logs)
@@ -96,6 +107,9 @@ class CSVLogger(Callback):
         return open(self.filename, "a", newline="")
 
     def on_train_end(self, logs: dict[str, float] | None = None) -> None:
+        self._close()
+
+    def _close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -6,7 +6,7 @@ from typing import Any
 
 from fitdp.callbacks._monitored_value import is_improvement, monitor_value, resolve_mode
 from fitdp.callbacks.base import Callback
-from fitdp.checks import check_int, check_number
+from fitdp.checks import check_bool, check_int, check_number
 
 
 class EarlyStopping(Callback):
@@ -56,7 +56,8 @@ class EarlyStopping(Callback):
         self.patience = check_int("EarlyStopping(patience=...)", patience, 0)
         self.baseline = None if baseline is None else check_number(
             "EarlyStopping(baseline=...)", baseline)
-        self.restore_best_weights = bool(restore_best_weights)
+        self.restore_best_weights = check_bool("EarlyStopping(restore_best_weights=...)",
+                                               restore_best_weights)
         self.start_from_epoch = check_int("EarlyStopping(start_from_epoch=...)",
                                           start_from_epoch, 0)
         self.verbose = verbose

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
@@ -47,7 +49,7 @@ class EMA(WeightAveraging):
         self.decay = check_number("EMA(decay=...)", decay, low=0, high=1,
                                   fix="pass a number such as decay=0.999")
         self.update_every_n_steps = check_int("EMA(update_every_n_steps=...)",
-                                              update_every_n_steps, 1)
+                                              update_every_n_steps, 1, maximum=sys.maxsize)
 
     def _average_into(self, averaged: list[torch.Tensor], current: list[torch.Tensor],
                       count: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import tempfile
 import time
 from collections.abc import Mapping
@@ -11,7 +12,7 @@ from typing import Any
 
 from fitdp.callbacks.base import Callback
 from fitdp.callbacks.tensorboard import check_update_freq
-from fitdp.checks import fail
+from fitdp.checks import check_folder, fail
 
 _MAX_PARAM = 500  # characters of a parameter's value kept (MLflow takes up to 6000)
 
@@ -81,7 +82,7 @@ class MLflowLogger(Callback):
                 isinstance(k, str) for k in tags)):
             fail("MLflowLogger(tags=...)", tags, "a dict of str -> str, or None",
                  error=TypeError)
-        self.tracking_uri = None if tracking_uri is None else os.fspath(tracking_uri)
+        self.tracking_uri = None if tracking_uri is None else _check_uri(os.fspath(tracking_uri))
         self.experiment_name, self.run_name = experiment_name, run_name
         self.update_freq = check_update_freq(update_freq, "MLflowLogger")
         self.log_checkpoint = log_checkpoint
@@ -145,7 +146,7 @@ class MLflowLogger(Callback):
             params.update({f"optimizer.{k}": _as_param(v) for k, v in group.items()
                            if k != "params" and isinstance(v, (bool, int, float, str, tuple))})
         params.update({f"fit.{k}": _as_param(v) for k, v in self.params.items()
-                       if k in ("epochs", "batch_size", "steps")})
+                       if k in ("epochs", "batch_size", "steps") and v is not None})
         return params
 
     def _log(self, metrics: Mapping[str, float] | None = None, step: int = 0,
@@ -182,6 +183,15 @@ class MLflowLogger(Callback):
         self._client.set_terminated(run_id, status="FINISHED")
         self._client = None
 
+    def on_exception(self, exception: BaseException) -> None:
+        """A fit that fails marks its run FAILED (KILLED for Ctrl-C and SIGTERM), as MLflow's
+        own clients do, so the store shows no run left RUNNING."""
+        client, self._client = self._client, None
+        if client is None or self.run_id is None or not self._params_logged:
+            return
+        failed = isinstance(exception, Exception)
+        client.set_terminated(self.run_id, status="FAILED" if failed else "KILLED")
+
     def state_dict(self) -> dict[str, Any]:
         """The run's id, so a resumed fit logs into the same run, and the batch count."""
         return {"run_id": self.run_id, "batches": self._batches}
@@ -190,6 +200,20 @@ class MLflowLogger(Callback):
         """Restore what `state_dict` returned."""
         self.run_id = state.get("run_id")
         self._batches = int(state.get("batches", 0))
+
+
+def _check_uri(uri: str) -> str:
+    """A tracking URI whose scheme (before ``://``) is a URI scheme, or a folder path that
+    can be made: ``"not a uri://x"`` would be read as a folder and made."""
+    scheme, sep, _ = uri.partition("://")
+    if sep and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        fail("MLflowLogger(tracking_uri=...)", uri, "a tracking URI with a scheme such as "
+             "'sqlite:///mlflow.db', 'file:///runs/mlruns' or 'http://host:5000', or a "
+             "folder path", "check the scheme before '://' (letters, digits, '+', '-', "
+             "'.')")
+    if not sep and not uri.startswith(("file:", "databricks")):
+        check_folder("MLflowLogger(tracking_uri=...)", uri)
+    return uri
 
 
 def _as_param(value: Any) -> str:

@@ -17,7 +17,14 @@ from fitdp.callbacks._monitored_value import (
 )
 from fitdp.callbacks._save_freq import BatchCounter, check_save_freq
 from fitdp.callbacks.base import Callback
-from fitdp.checks import check_int, check_number, check_path_arg, fail
+from fitdp.checks import (
+    check_bool,
+    check_file_target,
+    check_int,
+    check_number,
+    check_path_arg,
+    fail,
+)
 from fitdp.saving.sharded import is_checkpoint, remove_checkpoint
 
 
@@ -78,12 +85,13 @@ class ModelCheckpoint(Callback):
         self._fields = _named_fields(self.filepath)
         self.monitor = monitor
         self.mode = resolve_mode(monitor, mode, "ModelCheckpoint")
-        self.save_best_only = bool(save_best_only)
+        self.save_best_only = check_bool("ModelCheckpoint(save_best_only=...)", save_best_only)
         self.save_freq = check_save_freq(save_freq, "ModelCheckpoint", "training batches")
         self.keep = None if keep is None else check_int("ModelCheckpoint(keep=...)", keep, 1)
         self.verbose = verbose
-        self.save_weights_only = bool(save_weights_only)
-        self.async_save = bool(async_save)
+        self.save_weights_only = check_bool("ModelCheckpoint(save_weights_only=...)",
+                                            save_weights_only)
+        self.async_save = check_bool("ModelCheckpoint(async_save=...)", async_save)
         if self.async_save and self.save_weights_only:
             fail("ModelCheckpoint(async_save=...)", True, "False with save_weights_only=True",
                  "async_save writes full checkpoints; drop one of the two")
@@ -97,6 +105,28 @@ class ModelCheckpoint(Callback):
         self._pending: str | None = None  # an async save not known to be durable yet
         self._counter = BatchCounter(self.save_freq if self.save_freq != "epoch" else 1)
         self._epoch = 0
+
+    def check_fit(self, params: dict[str, Any]) -> None:
+        """`filepath`'s fields exist in this fit's logs (`val_` keys need validation data,
+        `batch` an int `save_freq`), its format specs fit their values, and its folder can
+        be made: checked with stand-in values before the first step, not at the first save."""
+        name = "ModelCheckpoint(filepath=...)"
+        missing = [f for f in self._fields if (f.startswith("val_") and not params.get(
+            "validates")) or (f == "batch" and self.save_freq == "epoch")]
+        if missing:
+            fail(name, self.filepath, f"fields this fit's logs have ({{{missing[0]}}} is not "
+                 "one: 'val_' keys need validation data, 'batch' an int save_freq)",
+                 "pass validation_data= (or validation_split=), save_freq=N, or drop the "
+                 "field")
+        values: dict[str, Any] = {f: 1.0 for f in self._fields}
+        values.update(epoch=1, step=1, batch=1)
+        try:
+            path = self.filepath.format(**values)
+        except (ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
+            fail(name, self.filepath, f"format specs that fit the values (epoch, step and "
+                 f"batch are ints, log values floats): {type(e).__name__}: {e}",
+                 "e.g. {epoch:02d} and {val_loss:.3f}")
+        check_file_target(name, path)
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         # `best` carries over between fits, as in Keras; the batch count restarts.

@@ -6,6 +6,7 @@ import logging
 
 from fitdp.callbacks._monitored_value import is_finite
 from fitdp.callbacks.base import Callback
+from fitdp.checks import check_bool
 
 logger = logging.getLogger("fitdp")
 
@@ -37,7 +38,7 @@ class TerminateOnNaN(Callback):
 
     def __init__(self, raise_error: bool = False) -> None:
         super().__init__()
-        self.raise_error = bool(raise_error)
+        self.raise_error = check_bool("TerminateOnNaN(raise_error=...)", raise_error)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
         loss = (logs or {}).get("loss")

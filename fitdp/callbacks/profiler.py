@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
 import torch
 
 from fitdp.callbacks.base import Callback
-from fitdp.checks import check_int, check_path_arg
+from fitdp.checks import check_bool, check_folder, check_int, check_path_arg
 
 
 class Profiler(Callback):
@@ -45,8 +46,9 @@ class Profiler(Callback):
         traces: the files written so far, in order.
 
     Raises:
-        TypeError: `dir` is not a path; a count is not an int. ValueError: a negative
-            `wait`, `warmup` or `repeat`, or `active` below 1.
+        TypeError: `dir` is not a path; a count is not an int; a flag is not a bool.
+        ValueError: a negative `wait`, `warmup` or `repeat`, or `active` below 1; `dir` is
+            (or is under) a file.
 
     Example:
         >>> prof = Profiler("runs/profile", wait=1, warmup=1, active=3)
@@ -62,16 +64,23 @@ class Profiler(Callback):
                  with_stack: bool = False) -> None:
         super().__init__()
         self.dir = check_path_arg("Profiler(dir=...)", dir, "'runs/profile'")
-        self.wait = check_int("Profiler(wait=...)", wait, 0)
-        self.warmup = check_int("Profiler(warmup=...)", warmup, 0)
-        self.active = check_int("Profiler(active=...)", active, 1)
-        self.repeat = check_int("Profiler(repeat=...)", repeat, 0)
-        self.record_shapes, self.profile_memory = bool(record_shapes), bool(profile_memory)
-        self.with_stack = bool(with_stack)
+        # (steps torch.profiler counts in C integers: sys.maxsize at most)
+        self.wait = check_int("Profiler(wait=...)", wait, 0, maximum=sys.maxsize)
+        self.warmup = check_int("Profiler(warmup=...)", warmup, 0, maximum=sys.maxsize)
+        self.active = check_int("Profiler(active=...)", active, 1, maximum=sys.maxsize)
+        self.repeat = check_int("Profiler(repeat=...)", repeat, 0, maximum=sys.maxsize)
+        check_folder("Profiler(dir=...)", self.dir)
+        self.record_shapes = check_bool("Profiler(record_shapes=...)", record_shapes)
+        self.profile_memory = check_bool("Profiler(profile_memory=...)", profile_memory)
+        self.with_stack = check_bool("Profiler(with_stack=...)", with_stack)
         self.traces: list[str] = []
         self._profile: Any = None
 
     state_field = "dir"
+
+    def check_fit(self, params: dict[str, Any]) -> None:
+        """The trace folder can still be made (a file put there since is found now)."""
+        check_folder("Profiler(dir=...)", self.dir)
 
     def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         self.stop()  # one left running by a fit that raised

@@ -46,7 +46,9 @@ class SWA(WeightAveraging):
     Raises:
         TypeError: an argument of the wrong type. ValueError: ``swa_lr`` not > 0,
             ``swa_epoch_start`` negative or a float outside [0, 1), ``annealing_epochs``
-            negative, another ``annealing_strategy``.
+            negative, another ``annealing_strategy``; when ``fit`` checks its arguments:
+            ``swa_epoch_start`` at or after ``fit``'s ``epochs``, ``swa_lr``'s rates not
+            one per parameter group.
 
     Example:
         >>> swa = SWA(swa_lr=0.05, swa_epoch_start=0.75)
@@ -69,14 +71,27 @@ class SWA(WeightAveraging):
         self._lr_steps: int | None = None  # SWALR steps taken (None: not started)
         self._lr_epoch: int | None = None  # the last epoch SWALR set the rate for
 
-    def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
-        self._start()
+    def check_fit(self, params: dict[str, Any]) -> None:
+        """``swa_epoch_start`` is an epoch this fit trains (else nothing would be averaged,
+        and the model would end as trained), and ``swa_lr`` has a rate per parameter group."""
+        epochs = params["epochs"]
         start = self.swa_epoch_start
-        self._first = start if isinstance(start, int) else int(start * self.params["epochs"])
+        first = start if isinstance(start, int) else int(start * epochs)
+        if first >= epochs:
+            fail("SWA(swa_epoch_start=...)", start, f"an epoch this fit trains: below "
+                 f"epochs={epochs}" + ("" if isinstance(start, int) else f" (a fraction: "
+                                       f"{start} of {epochs} epochs is epoch {first})"),
+                 f"pass swa_epoch_start < {epochs} (or a fraction such as 0.8), or train "
+                 "more epochs")
         groups = self.model.optimizer.param_groups if self.model.optimizer else []
         if isinstance(self.swa_lr, list) and len(self.swa_lr) != len(groups):
             fail("SWA(swa_lr=...)", self.swa_lr, f"one rate per parameter group "
                  f"({len(groups)} here)", "pass a single float, or one per group")
+
+    def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
+        self._start()
+        start = self.swa_epoch_start
+        self._first = start if isinstance(start, int) else int(start * self.params["epochs"])
         self._epoch = self._averaged_epoch = self._lr_steps = self._lr_epoch = None
         self._scheduler = None
 

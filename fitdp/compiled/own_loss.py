@@ -12,13 +12,16 @@ calls an ``ItemCount`` with the slice's inputs and labels: ``reads_inputs``).
 
 from __future__ import annotations
 
+import inspect
+import numbers
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
-from fitdp.checks import FitdpWarning, fail
+from fitdp.checks import FitdpWarning, describe, fail
 from fitdp.data.batch import batch_labels
 
 IGNORE_INDEX = -100  # what torch's cross_entropy and Hugging Face's losses ignore
@@ -87,15 +90,41 @@ class ItemCount:
         spec = self.spec
         if callable(spec):
             count = spec(data if labels is None else (data, labels))
-            if not isinstance(count, torch.Tensor):
-                count = torch.tensor(int(count))
-            return count
+            if isinstance(count, torch.Tensor) and not count.is_floating_point() \
+                    and not count.is_complex() and count.numel() == 1:
+                return count  # (its value is checked on the first batch: no sync per step)
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) \
+                    or count < 0:
+                self._refuse(count)
+            return torch.tensor(int(count))
         targets = batch_labels(data, labels)
         if not isinstance(targets, torch.Tensor):
             return None  # no labels (predict): no loss to weigh
         if spec == "causal_lm":
             targets = targets[..., 1:]
         return (targets != IGNORE_INDEX).sum()
+
+    def check_batch(self, data: Any, labels: Any) -> None:
+        """A callable's count for a whole batch (the first, before any step): at least 1.
+
+        Raises:
+            TypeError, ValueError: naming ``loss_items`` and what it returned.
+        """
+        if not callable(self.spec):
+            return
+        count = self(data, labels)
+        if count is not None and int(count) < 1:
+            self._refuse(count)
+
+    def _refuse(self, count: Any) -> None:
+        error = TypeError if not isinstance(count, (numbers.Integral, torch.Tensor)) or isinstance(
+            count, bool) or (isinstance(count, torch.Tensor) and (
+                count.is_floating_point() or count.numel() != 1)) else ValueError
+        fail("loss_items", f"a callable that returned {describe(count)}", "a count of the "
+             "items the module's loss averages over: an int >= 1, or a one-element integer "
+             "tensor, for the whole batch (0 for a slice with no items)", "return e.g. "
+             "int((batch['labels'] != -100).sum()), or pass loss_items='tokens'",
+             error=error, described=True)
 
 
 class OwnLoss:
@@ -149,6 +178,30 @@ class OwnLoss:
         items = self.loss_items if isinstance(self.loss_items, str) else (
             self.head[1] if self.head else None)
         return items == "causal_lm"
+
+    def check_first_batch(self, data: Any, labels: Any, module: nn.Module | None,
+                          training: bool) -> None:
+        """Before a call's first step: a ``module`` (None: a custom step calls it) whose
+        forward takes no ``labels`` cannot compute its loss from them; a ``loss_items``
+        callable returns a count; in training, the warning of ``warn_uncounted``.
+
+        Raises:
+            TypeError: labels for a forward that takes none (named ``compile(loss=None)``).
+            TypeError, ValueError: a bad count (``ItemCount.check_batch``).
+        """
+        if module is not None and batch_labels(data, labels) is not None \
+                and not _takes_labels(module):
+            forward = type(module).__name__ + ".forward"
+            fail("compile(loss=None)", f"a module whose {forward} takes no labels "
+                 f"(signature {_signature(module)})", "a module that computes its own loss "
+                 "from labels, as a Hugging Face model's forward(..., labels=None) does",
+                 "compile with a loss (e.g. loss='cross_entropy') and pass y, or have the "
+                 "forward take labels and return {'loss': ...}", error=TypeError,
+                 described=True)
+        if self.counts is not None:
+            self.counts.check_batch(data, labels)
+        if training:
+            self.warn_uncounted(data, labels)
 
     def warn_uncounted(self, data: Any, labels: Any) -> None:
         """Check the first training batch's labels against what the module's loss averages
@@ -210,6 +263,22 @@ class OwnLoss:
         return ("sample_weight: got per-sample weights with compile(loss=None); expected no "
                 "weights (the module averages its own loss). Fix: compile with a loss that "
                 "takes per-sample weights, or weigh the loss inside the module.")
+
+
+def _takes_labels(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes ``labels`` (by name, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the call say
+        return True
+    return any(p.name == "labels" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _signature(module: nn.Module) -> str:
+    try:
+        return str(inspect.signature(module.forward))
+    except (TypeError, ValueError):
+        return "unknown"
 
 
 def own_loss(loss: Any, loss_items: LossItems, module: Any = None) -> OwnLoss | None:

@@ -502,7 +502,7 @@ class DataParallelExecutorManager:
             zero_grad: zero the gradients first (the first batch of an optimizer step).
             optimizer: also take the optimizer step after backward, as ``step`` does with
                 ``scaler`` and ``clip_norm``.
-            guard: a context the batch runs in when it steps, e.g. ``fitdp.call.session.
+            guard: a context the batch runs in when it steps, e.g. ``fitdp.call.interrupts.
                 GUARD.critical()``: a Ctrl-C during the step is raised after it.
         """
         bound = self.bind_step(is_train, optimizer=optimizer, scaler=scaler,

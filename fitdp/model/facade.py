@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from fitdp.call.custom_step import CustomStep
+from fitdp.call.interrupts import GUARD, Preempted
 from fitdp.call.modes import Modes
 from fitdp.call.monitor import Monitor
 from fitdp.call.plan import CallPlan, FitPlan, legacy_data, plan_call, plan_fit
 from fitdp.call.ranks import DEFAULT_TIMEOUT
 from fitdp.call.replicas import Placement, Replicas
 from fitdp.call.run_state import RunState
-from fitdp.call.session import GUARD, Preempted, Session
+from fitdp.call.session import Session
 from fitdp.callbacks import Callback, History, WeightAveraging
 from fitdp.checks import FitdpWarning, fail
 from fitdp.compiled.metrics import MetricsArg
@@ -189,7 +190,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         self._release()
         self._compiled = compiled
 
-    def fit(self, x: Any = None, y: Any = None, batch_size: int = 32, epochs: int = 1,
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: int | str = "auto", callbacks: Sequence[Callback] | None = None,
             validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
             class_weight: dict[int, float] | None = None, sample_weight: Any = None,
@@ -262,7 +263,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         self.history = cbs.history
         return cbs.history
 
-    def evaluate(self, x: Any = None, y: Any = None, batch_size: int = 32,
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
                  verbose: int | str = "auto", sample_weight: Any = None,
                  steps: int | None = None, callbacks: Sequence[Callback] | None = None,
                  return_dict: bool = True, *, devices: DevicesArg = "auto",
@@ -282,7 +283,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             logs = session.test_pass(plan.source, plan.callbacks, plan.steps)
         return keras_logs(logs, compiled, return_dict)
 
-    def predict(self, x: Any = None, batch_size: int = 32, verbose: int | str = 0,
+    def predict(self, x: Any = None, batch_size: int | None = None, verbose: int | str = 0,
                 steps: int | None = None, callbacks: Sequence[Callback] | None = None, *,
                 devices: DevicesArg = "auto", work_load_list: Sequence[float] | str | None = None,
                 pad_value: float | None = None, ragged: bool = False,
@@ -342,7 +343,7 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             with GUARD.installed():
                 yield session
         except BaseException as err:
-            session.rollback()
+            session.rollback(err)
             try:  # checkpoints saved before the failure are on disk when it surfaces
                 self.wait_for_saves()
             except Exception as save_err:  # noqa: BLE001 - the call's own error wins

@@ -164,7 +164,8 @@ class LRFinding:
 
     def find_lr(self, x: Any = None, y: Any = None, *, min_lr: float = 1e-7,
                 max_lr: float = 1.0, num_steps: int = 100, early_stop_threshold: float | None
-                = 4.0, beta: float = 0.98, batch_size: int = 32, shuffle: bool = True,
+                = 4.0, beta: float = 0.98, batch_size: int | None = None,
+                shuffle: bool = True,
                 sample_weight: Any = None, class_weight: dict[int, float] | None = None,
                 devices: DevicesArg = "auto", work_load_list: Sequence[float] | str | None = None,
                 seed: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> LRFinder:
@@ -185,7 +186,7 @@ class LRFinding:
             x, y, batch_size, shuffle, sample_weight, class_weight, devices,
                 work_load_list, seed, timeout: as for ``fit``.
             min_lr, max_lr: the first and last rate (``0 < min_lr < max_lr``).
-            num_steps: optimizer steps of the sweep (at least 2).
+            num_steps: optimizer steps of the sweep (2 to 1,000,000).
             early_stop_threshold: the divergence factor (> 1), or None to run every step.
             beta: the smoothing of ``LRFinder.losses`` (0 <= beta < 1; 0 is none).
 
@@ -203,7 +204,9 @@ class LRFinding:
         if high <= low:
             fail("find_lr(max_lr=...)", max_lr, f"a rate above min_lr={min_lr!r}",
                  "sweep upwards: min_lr < max_lr, e.g. min_lr=1e-7, max_lr=1.0")
-        steps = check_int("find_lr(num_steps=...)", num_steps, 2)
+        # (its rates are listed before the sweep: a count past memory would hang there)
+        steps = check_int("find_lr(num_steps=...)", num_steps, 2, maximum=MAX_STEPS,
+                          fix="pass num_steps=100 (about what a range test needs)")
         if early_stop_threshold is not None:
             check_number("find_lr(early_stop_threshold=...)", early_stop_threshold, low=1,
                          low_open=True, fix="pass a factor such as 4.0, or None to never stop")
@@ -241,6 +244,9 @@ class LRFinding:
         finally:
             restore(objects, before, "find_lr", required=())
         return LRFinder(lrs[:len(losses)], losses, beta=smoothing, diverged=diverged)
+
+
+MAX_STEPS = 1_000_000  # a range test's steps at most (100 is the usual sweep)
 
 
 def _sweep(session: Session, groups: list[dict[str, Any]], lrs: list[float],

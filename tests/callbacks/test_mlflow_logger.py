@@ -23,6 +23,7 @@ X, Y = torch.randn(64, 6, generator=G), torch.randint(0, 3, (64,), generator=G)
 def store(tmp_path, monkeypatch) -> str:
     """A folder tracking store (MLflow 3 keeps it behind this switch; a sqlite store needs
     sqlalchemy, which mlflow-skinny does not bring)."""
+    pytest.importorskip("mlflow")  # the mlflow extra (a base install skips)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     return (tmp_path / "mlruns").as_uri()
 
@@ -90,6 +91,28 @@ def test_a_resumed_fit_logs_into_the_run_it_resumes(store, tmp_path):
     logged = client.get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in logged] == [0, 1, 2]
     assert [m.value for m in logged][1:] == history.history["loss"][1:]
+
+
+def test_a_failed_fit_marks_its_run_failed(store):
+    """Regression (issue 37): a fit that raised left its MLflow run RUNNING; MLflow's own
+    clients (``mlflow.start_run`` as a context) end a run whose block raised as FAILED."""
+    class Boom(Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        make().fit(X, Y, epochs=3, verbose=0, callbacks=[MLflowLogger(store), Boom()])
+    _, run = the_run(store)
+    assert run.info.status == "FAILED"
+
+
+def test_a_malformed_tracking_uri_is_refused_before_a_folder_is_made(tmp_path, monkeypatch):
+    """Regression (issue 37): "not a uri://x" was read as a folder store and made."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"tracking_uri.*got 'not a uri://x'.*Fix:"):
+        MLflowLogger("not a uri://x")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_only_the_main_process_logs(store):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fitdp.call.session import GUARD
+from fitdp.call.interrupts import GUARD
 from fitdp.compiled.losses import Objective
 from fitdp.data.batch import DataBatch
 from fitdp.executor import DataParallelExecutorManager

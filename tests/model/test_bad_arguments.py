@@ -57,6 +57,9 @@ def same(a: tuple, b: tuple) -> bool:
 
 not_a_number = st.one_of(st.booleans(), st.text(max_size=3), st.none(), st.just([1]),
                          st.sampled_from([math.nan, math.inf, -math.inf]))
+# batch_size=None is the default (32 for data fitdp batches): not a bad value
+not_a_size = st.one_of(st.booleans(), st.text(max_size=3), st.just([1]),
+                       st.sampled_from([math.nan, math.inf, -math.inf]))
 negative = st.one_of(st.integers(max_value=-1), st.floats(max_value=-1e-3, allow_nan=False,
                                                            allow_infinity=False))
 BAD = {
@@ -75,7 +78,7 @@ BAD = {
     ("compile", "metrics"): st.one_of(st.integers(), st.text(min_size=1, max_size=3)),
     ("compile", "optimizer"): st.one_of(st.integers(), st.text(min_size=1, max_size=3)),
     ("compile", "loss"): st.one_of(st.integers(), st.text(min_size=1, max_size=3)),
-    ("fit", "batch_size"): st.one_of(st.integers(max_value=0), not_a_number),
+    ("fit", "batch_size"): st.one_of(st.integers(max_value=0), not_a_size),
     ("fit", "epochs"): st.one_of(st.integers(max_value=-1), not_a_number),
     ("fit", "steps_per_epoch"): st.one_of(st.integers(max_value=0), st.booleans(),
                                           st.text(max_size=2),
@@ -100,10 +103,10 @@ BAD = {
     ("fit", "x"): st.sampled_from([X.numpy().astype(object), X.numpy().astype(str)]),
     ("fit", "y"): st.sampled_from([LABELS.numpy().astype(str), LABELS.numpy().astype(object),
                                    torch.full((24,), float("inf"))]),
-    ("evaluate", "batch_size"): st.one_of(st.integers(max_value=0), not_a_number),
+    ("evaluate", "batch_size"): st.one_of(st.integers(max_value=0), not_a_size),
     ("evaluate", "steps"): st.one_of(st.integers(max_value=0), st.text(max_size=2),
                                      st.integers(min_value=sys.maxsize + 1)),
-    ("predict", "batch_size"): st.one_of(st.integers(max_value=0), not_a_number),
+    ("predict", "batch_size"): st.one_of(st.integers(max_value=0), not_a_size),
     ("predict", "steps"): st.one_of(st.integers(max_value=0), st.text(max_size=2),
                                     st.integers(min_value=sys.maxsize + 1)),
 }

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 import fitdp
 from fitdp.callbacks import ModelCheckpoint
 from fitdp.checks import FitdpWarning
 from tests.model.test_resume_epoch import Stop
+
+transformers = pytest.importorskip("transformers")  # the hf extra (a base install skips)
 
 N, T, BATCH, VOCAB = 24, 9, 8, 50
 # SGD: Adam divides each parameter's gradient by its own running magnitude, so where the
