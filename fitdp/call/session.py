@@ -19,6 +19,7 @@ import functools
 import itertools
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
@@ -604,18 +605,27 @@ class Session:
 
     def data_position(self) -> Entry:
         """The training data's position at the last optimizer step, as a checkpoint entry;
-        checked by the source (``check_resume``) before a resume changes anything."""
+        checked by the source (``check_resume``) before a resume changes anything. The
+        session keeps it (``position``): its functions hold the session weakly, or the cycle
+        would keep a finished call's model and worker threads alive until a collection."""
+        me = weakref.ref(self)
+
+        def save() -> dict[str, Any] | None:
+            return me().data_state  # type: ignore[union-attr]
+
         def load(state: dict[str, Any]) -> None:
-            self.plan.source.load_state_dict(state)
-            self.data_state = state
+            session: Session = me()  # type: ignore[assignment]
+            session.plan.source.load_state_dict(state)
+            session.data_state = state
 
         def check(state: Any, checkpoint: Mapping[str, Any]) -> str | None:
-            source_check = getattr(self.plan.source, "check_resume", None)
+            session: Session = me()  # type: ignore[assignment]
+            source_check = getattr(session.plan.source, "check_resume", None)
             if source_check is None:
                 return None
-            return source_check(state, continues=self._continues(checkpoint["run"]))
+            return source_check(state, continues=session._continues(checkpoint["run"]))
 
-        return Entry(lambda: self.data_state, load, check)
+        return Entry(save, load, check)
 
     def _continues(self, run: Mapping[str, Any]) -> bool:
         """Whether a fit resumed at ``run`` (a checked run state) reads its data on from the

@@ -219,7 +219,7 @@ class Update:
         elif self.track_norm:
             state.grad_norm = torch.nn.utils.get_total_norm(
                 [p.grad for p in self.clipped if p.grad is not None])
-        state.lr = optimizer.param_groups[0]["lr"]
+        state.lr = optimizer.param_groups[0].get("lr")  # (an optimizer may have none)
         state.steps += 1
         with self.step_range:  # the executor's one call of the optimizer's step
             if self.engine_step is not None:
