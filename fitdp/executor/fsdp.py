@@ -88,14 +88,25 @@ def shard_fsdp(module: nn.Module, options: FSDP, autocast_dtype: torch.dtype | N
 def _blocks(module: nn.Module, options: FSDP) -> list[nn.Module]:
     """The submodules sharded one by one: instances of ``options.blocks``, else the largest
     subtrees of at least ``options.min_params`` parameters below the root (outermost first
-    match wins, so no block holds another)."""
+    match wins, so no block holds another). A subtree holding a parameter that a module
+    outside it holds too (tied weights: GPT-2's ``lm_head`` and ``wte``) is no block: FSDP2
+    refuses a parameter in two groups, so the tie stays with the root's."""
     found: list[nn.Module] = []
+    owners: dict[int, set[int]] = {}  # parameter -> the modules holding it directly
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(id(m))
+
+    def closed(m: nn.Module) -> bool:
+        inside = {id(x) for x in m.modules()}
+        return all(owners[id(p)] <= inside for p in m.parameters())
 
     def visit(m: nn.Module) -> None:
         for child in m.children():
             size = sum(p.numel() for p in child.parameters())
-            hit = isinstance(child, options.blocks) if options.blocks \
-                else size >= options.min_params
+            hit = (isinstance(child, options.blocks) if options.blocks
+                   else size >= options.min_params) and closed(child)
             if hit:
                 found.append(child)
             else:

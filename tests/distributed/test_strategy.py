@@ -69,6 +69,24 @@ def test_ddp_in_one_process_is_refused_before_a_weight_moves():
     assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
 
 
+def test_fsdp_blocks_leave_tied_weights_to_the_root():
+    """Regression: strategy='fsdp' on GPT-2 124M (lm_head tied to the token embedding, each
+    a subtree over min_params) failed its first batch: FSDP2 refused 'lm_head.weight' as
+    shared with a parameter another FSDP group manages."""
+    transformers = pytest.importorskip("transformers")
+
+    net = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=512,
+                                     n_positions=16))
+    blocks = _blocks(net, FSDP(min_params=4000))
+    names = {m: n for n, m in net.named_modules()}
+    assert net.lm_head not in blocks and net.transformer not in blocks
+    assert net.transformer.wte not in blocks
+    assert [names[b] for b in blocks] == ["transformer.h"]  # the untied subtree
+    tied = {id(net.lm_head.weight)}
+    for b in blocks:
+        assert not tied & {id(p) for p in b.parameters()}
+
+
 def test_fsdp_blocks_by_class_or_by_size():
     net = nn.Sequential(nn.Linear(8, 64), nn.Sequential(nn.Linear(64, 64), nn.ReLU()),
                         nn.Linear(64, 2))
