@@ -75,8 +75,9 @@ def test_fsdp_blocks_leave_tied_weights_to_the_root():
     shared with a parameter another FSDP group manages."""
     transformers = pytest.importorskip("transformers")
 
-    net = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=512,
-                                     n_positions=16))
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=512,
+                                     n_positions=16)
+    net = transformers.GPT2LMHeadModel(config)
     blocks = _blocks(net, FSDP(min_params=4000))
     names = {m: n for n, m in net.named_modules()}
     assert net.lm_head not in blocks and net.transformer not in blocks
