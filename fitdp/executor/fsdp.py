@@ -90,7 +90,8 @@ def _blocks(module: nn.Module, options: FSDP) -> list[nn.Module]:
     subtrees of at least ``options.min_params`` parameters below the root (outermost first
     match wins, so no block holds another). A subtree holding a parameter that a module
     outside it holds too (tied weights: GPT-2's ``lm_head`` and ``wte``) is no block: FSDP2
-    refuses a parameter in two groups, so the tie stays with the root's."""
+    refuses a parameter in two groups, so the tie stays with the root's. A container without
+    a forward of its own (``nn.ModuleList``) is no block either: its items are."""
     found: list[nn.Module] = []
     owners: dict[int, set[int]] = {}  # parameter -> the modules holding it directly
     for m in module.modules():
@@ -106,7 +107,8 @@ def _blocks(module: nn.Module, options: FSDP) -> list[nn.Module]:
         for child in m.children():
             size = sum(p.numel() for p in child.parameters())
             hit = (isinstance(child, options.blocks) if options.blocks
-                   else size >= options.min_params) and closed(child)
+                   else size >= options.min_params) and closed(child) and \
+                type(child).forward is not nn.Module.forward  # (a ModuleList: its items)
             if hit:
                 found.append(child)
             else:
