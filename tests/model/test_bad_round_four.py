@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -262,6 +263,15 @@ def outcome(case: str, value: Any) -> str:
     else:
         return "accepted"
     return "clear" if same(state(model), before) else "changed"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_replicas():
+    """The module's trained models let their device threads go when its tests end
+    (tests/model/test_lifecycle.py counts the threads left)."""
+    yield
+    for model in (MLP, OWN):
+        model.close()
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
