@@ -28,7 +28,6 @@ from torch import nn
 
 if TYPE_CHECKING:
     from fitdp.executor.flat_buckets import FlatBuckets
-    from fitdp.executor.update import Update
 
 
 class Lead(Protocol):
@@ -72,14 +71,11 @@ class Engine(abc.ABC):
         reduces: ``reduce`` has work to do after backward (checked once, at bind).
         prepares: ``prepare`` has work to do before a training batch (checked once per
             bound step: a step of an engine without it never calls it).
-        steps_optimizer: the engine steps the optimizer itself (``step``; checked once per
-            bound update: the others' step is the update's ``optimizer.step()``).
     """
 
     shards_weights: bool = False
     reduces: bool = False
     prepares: bool = False
-    steps_optimizer: bool = False
 
     @abc.abstractmethod
     def replicas(self, module: nn.Module, devices: Sequence[torch.device],
@@ -123,13 +119,9 @@ class Engine(abc.ABC):
         and the replicas."""
         return None  # the default: nothing to do
 
-    # -- the optimizer: its step and its state ---------------------------------------------
-
-    def step(self, update: Update) -> None:
-        """The optimizer step of an engine that ``steps_optimizer``: ``update.optimizer``
-        (the call's, whose parameter groups the scheduler sets) on device 0's gradients,
-        reduced, unscaled and clipped. Engines without the flag are never asked."""
-        raise NotImplementedError(f"{type(self).__name__} sets steps_optimizer without step")
+    # -- the optimizer: its state (an engine that steps it too defines ``step(update)``:
+    # ``update.optimizer`` on device 0's reduced, unscaled and clipped gradients; without
+    # one, the update's own ``optimizer.step()`` runs, found once per bound update) --------
 
     def share_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Every rank, before rank 0 alone saves: gather what its ``optimizer_state`` needs

@@ -41,14 +41,12 @@ _GRAD = operator.attrgetter("grad")  # a parameter's gradient (C: no Python fram
 
 
 class Engine(Protocol):
-    """What an update asks of the call's engine (``fitdp.executor.engine.Engine``)."""
+    """What an update asks of the call's engine (``fitdp.executor.engine.Engine``); an engine
+    that steps the optimizer itself (ZeRO-1) also has ``step(update)``."""
 
     reduces: bool
-    steps_optimizer: bool
 
     def reduce(self) -> None: ...
-
-    def step(self, update: Update) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +105,15 @@ class StepState:
 
     def __init__(self) -> None:
         self.grad_norm: torch.Tensor | None = None
-        self.skipped: torch.Tensor | None = None
+        self.found_inf: dict[Any, torch.Tensor] = {}  # the scaler's, per device, kept as is
         self.lr: float | None = None
         self.steps = 0
+
+    @property
+    def skipped(self) -> torch.Tensor | None:
+        """Whether the last 16-mixed step was skipped (summed when read: no op per step)."""
+        found = list(self.found_inf.values())
+        return torch.stack([f.to(found[0].device) for f in found]).sum() > 0 if found else None
 
 
 class Update:
@@ -122,7 +126,7 @@ class Update:
         options: the optimizer, scaler and clipping (None: an update that only zeroes).
         engine: the call's engine: its ``reduce`` sums device 0's gradients across ranks
             (where it ``reduces`` and ``options.cross_rank``), its ``step`` steps the
-            optimizer (where it ``steps_optimizer``); None: neither.
+            optimizer (where it defines ``step``); None: neither.
         before_step: callables run before each optimizer step (the manager's list, which a
             call fills while an async save copies the weights); read at every step.
 
@@ -153,7 +157,7 @@ class Update:
             else None)
         # The engine's own optimizer step (None: ``optimizer.step()`` here, no call more).
         self.engine_step: Callable[[Update], None] | None = (
-            engine.step if engine is not None and engine.steps_optimizer else None)
+            getattr(engine, "step", None))
         self.before_step = before_step if before_step is not None else []
         self.size = param_count(optimizer) if optimizer is not None else 0
         # Clipping takes the norm of the gradients the optimizer steps: all of device 0's,
@@ -210,8 +214,7 @@ class Update:
         state = self.state
         if scaler is not None:
             scaler.unscale_(optimizer)
-            found = scaler._found_inf_per_device(optimizer)  # noqa: SLF001 (device tensors)
-            state.skipped = sum(found.values()) > 0 if found else None  # type: ignore[assignment]
+            state.found_inf = scaler._found_inf_per_device(optimizer)  # noqa: SLF001
         if self.inspect is not None:  # on_before_optimizer_step: reduced and unscaled
             self.inspect(optimizer)
         if self.clip_norm is not None:  # its total is the norm before clipping

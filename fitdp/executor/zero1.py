@@ -58,8 +58,6 @@ class Zero1Engine(DDPEngine):
         options: the ``ZeRO1`` options.
     """
 
-    steps_optimizer = True
-
     def __init__(self, options: ZeRO1) -> None:
         super().__init__(options)
         self.zero: ZeroRedundancyOptimizer | None = None

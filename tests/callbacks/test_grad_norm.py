@@ -177,3 +177,16 @@ def test_log_points_are_in_the_params_and_the_step_state_outside_fit_is_none():
         assert probe.log_every == every
         assert probe.state is not None
     assert model.step_state is None
+
+
+def test_skipped_is_read_from_the_scalers_per_device_flags():
+    """A 16-mixed step (CUDA only) keeps GradScaler's found-inf flags as they are; whether it
+    was skipped is summed when someone reads it, not at every step."""
+    from fitdp.executor.update import StepState
+
+    state = StepState()
+    assert state.skipped is None  # no GradScaler
+    state.found_inf = {"cuda:0": torch.tensor(0.0), "cuda:1": torch.tensor(0.0)}
+    assert not bool(state.skipped)
+    state.found_inf = {"cuda:0": torch.tensor(0.0), "cuda:1": torch.tensor(1.0)}
+    assert bool(state.skipped)

@@ -16,8 +16,10 @@ import os
 import pytest
 import torch
 
-from tests.distributed.test_distributed import launch
-from tests.model.test_huggingface import CASES, hand_loop
+pytest.importorskip("transformers")  # the ranks run hf_worker.py, which imports it
+
+from tests.distributed.test_distributed import launch  # noqa: E402
+from tests.model.test_huggingface import CASES, hand_loop  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "hf_worker.py")
 pytestmark = pytest.mark.distributed
