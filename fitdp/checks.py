@@ -8,10 +8,12 @@ value, a ValueError for the right kind with a wrong value).
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 import numbers
 import os
 import stat
+import weakref
 from collections.abc import Collection, Iterable
 from typing import Any, NoReturn
 
@@ -285,3 +287,33 @@ def closest(name: str, names: Iterable[str]) -> str | None:
     ``attention_mask``: difflib's ratio at least 0.8), or None."""
     found = difflib.get_close_matches(name, list(names), n=1, cutoff=0.8)
     return found[0] if found else None
+
+
+_SIGNATURES: weakref.WeakKeyDictionary[Any, inspect.Signature | None] = \
+    weakref.WeakKeyDictionary()
+
+
+def forward_signature(module: Any) -> inspect.Signature | None:
+    """``inspect.signature(module.forward)`` (None when it has none to read), read once per
+    forward function: every call checks its first batch against it, and reading it costs
+    tens of microseconds. Kept by the function (the class's ``forward``, or one set on the
+    instance), so another forward is read anew."""
+    forward = module.forward
+    func = getattr(forward, "__func__", None)
+    bound = func is not None and getattr(forward, "__self__", None) is module
+    key = func if bound else forward
+    try:
+        return _SIGNATURES[key]
+    except KeyError:
+        pass
+    except TypeError:  # neither hashable nor weakly referable: read every time
+        return _signature(forward)
+    found = _SIGNATURES[key] = _signature(forward)
+    return found
+
+
+def _signature(forward: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None

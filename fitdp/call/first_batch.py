@@ -6,12 +6,11 @@ messages are already clear) or the user's (explained with what the batch held)."
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from fitdp.checks import closest, fail
+from fitdp.checks import closest, fail, forward_signature
 from fitdp.data.batch import DataBatch, tree_leaves, tree_structure
 from fitdp.data.sources import DataSource
 
@@ -44,10 +43,10 @@ class ForwardArguments:
     @classmethod
     def read(cls, module: Any) -> ForwardArguments | None:
         """``module.forward``'s named arguments (None when it has no signature to read)."""
-        try:
-            params = inspect.signature(module.forward).parameters.values()
-        except (TypeError, ValueError):
+        signature = forward_signature(module)
+        if signature is None:
             return None
+        params = signature.parameters.values()
         names = tuple(p.name for p in params if p.kind in (
             p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
         return cls(f"{type(module).__name__}.forward", names,

@@ -33,8 +33,10 @@ class Modes:
         [True, False]
     """
 
-    def __init__(self, module: nn.Module) -> None:
-        self.flags = {name: m.training for name, m in module.named_modules()}
+    def __init__(self, module: nn.Module,
+                 named: Iterable[tuple[str, nn.Module]] | None = None) -> None:
+        named = module.named_modules() if named is None else named  # (read already)
+        self.flags = {name: m.training for name, m in named}
 
     def apply(self, modules: Iterable[nn.Module], training: bool) -> None:
         """Put each of ``modules`` (the replicas) in the modes a ``training`` pass runs in."""
@@ -45,10 +47,12 @@ class Modes:
             else:
                 module.train(training)
 
-    def restore(self, module: nn.Module) -> None:
-        """Give every submodule of ``module`` that the call started with its mode back."""
+    def restore(self, module: nn.Module,
+                named: Iterable[tuple[str, nn.Module]] | None = None) -> None:
+        """Give every submodule of ``module`` (``named``: its ``named_modules()``, when read
+        already) that the call started with its mode back."""
         flags = self.flags
-        for name, m in module.named_modules():
+        for name, m in module.named_modules() if named is None else named:
             flag = flags.get(name)
             if flag is not None and m.training is not flag:
                 m.training = flag

@@ -4,13 +4,14 @@ bound to its parameters and one clone of every metric per device."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from fitdp.call.custom_step import CustomStep
+from fitdp.call.host import HostTree
 from fitdp.call.ranks import Ranks
 from fitdp.checks import fail
 from fitdp.compiled.metrics import DeviceMetrics
@@ -105,10 +106,12 @@ class Replicas:
             # the device threads that scale their losses at once.
             compiled.scaler.scale(torch.zeros((), device=devices[0]))
 
-    def fits(self, module: nn.Module, placement: Placement, compiled: Compiled | None) -> bool:
+    def fits(self, params: Mapping[str, torch.Tensor], placement: Placement,
+             compiled: Compiled | None) -> bool:
         """Whether this call can run on these replicas as they are (same placement and
-        compile, and no parameter of ``module`` frozen or unfrozen since they were made:
-        gradients exist only for the trainable ones)."""
+        compile, and no parameter of the host module, ``params`` its named parameters,
+        frozen or unfrozen since they were made: gradients exist only for the trainable
+        ones)."""
         here = self.placement
         same_bucket = placement.default_bucket_key is None or (
             placement.default_bucket_key == here.default_bucket_key)
@@ -116,7 +119,7 @@ class Replicas:
                 and placement.work_load_list == here.work_load_list
                 and placement.ranks == here.ranks and same_bucket
                 and (compiled is self.compiled or compiled is None)
-                and [p.requires_grad for p in module.parameters()] == self.manager.trainable)
+                and [p.requires_grad for p in params.values()] == self.manager.trainable)
 
     def prepare(self, plan: SourcePlan) -> None:
         """Before the first step: input buffers for the largest batch, and every bucket's
@@ -129,24 +132,28 @@ class Replicas:
             self.manager.reserve(list(plan.inputs))
         self.manager.prepare_buckets(plan.bucket_keys)
 
-    def load_host(self, module: nn.Module) -> None:
-        """Copy the host module's weights into every replica (rank 0's under torchrun)."""
+    def load_host(self, module: nn.Module, tree: HostTree | None = None) -> None:
+        """Copy the host module's weights into every replica (rank 0's under torchrun);
+        ``tree``: the module as the caller has just read it."""
         wait_for_snapshots()  # an async save may be copying a replica (the module itself)
         self.placement.ranks.broadcast_module(module, self.placement.devices[0])
-        self.manager.set_params(dict(module.named_parameters()), dict(module.named_buffers()))
+        tree = HostTree.read(module) if tree is None else tree
+        self.manager.set_params(tree.params, tree.buffers)
         self.engine.stored()
 
-    def store_host(self, module: nn.Module) -> None:
+    def store_host(self, module: nn.Module, tree: HostTree | None = None) -> None:
         """Average the replicas into the host module, in place (exact when they agree).
 
         Sharded weights (FSDP2) are gathered into whole tensors, a collective that every
         rank joins (``fit`` and ``evaluate`` end with it, ``ModelCheckpoint``/
         ``BackupAndRestore`` call it on every rank), skipped while the engine says the host
         holds them already, so that rank 0 alone can then read the weights
-        (``get_weights``, ``save``, ``export``)."""
+        (``get_weights``, ``save``, ``export``). ``tree``: the module as the caller has
+        just read it."""
         wait_for_snapshots()  # an async save may be copying the host module
-        params = {} if self.engine.host_current() else dict(module.named_parameters())
-        self.manager.copy_to(params, dict(module.named_buffers()))  # (buffers: never sharded)
+        tree = HostTree.read(module) if tree is None else tree
+        params = {} if self.engine.host_current() else tree.params
+        self.manager.copy_to(params, tree.buffers)  # (buffers: never sharded)
         self.engine.stored()
 
     def sharded_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:

@@ -12,7 +12,6 @@ calls an ``ItemCount`` with the slice's inputs and labels: ``reads_inputs``).
 
 from __future__ import annotations
 
-import inspect
 import numbers
 import warnings
 from collections.abc import Callable, Mapping
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitdp.checks import FitdpWarning, describe, fail
+from fitdp.checks import FitdpWarning, describe, fail, forward_signature
 from fitdp.data.batch import batch_labels
 
 IGNORE_INDEX = -100  # what torch's cross_entropy and Hugging Face's losses ignore
@@ -267,18 +266,16 @@ class OwnLoss:
 
 def _takes_labels(module: nn.Module) -> bool:
     """Whether ``module``'s forward takes ``labels`` (by name, or through ``**kwargs``)."""
-    try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: let the call say
+    signature = forward_signature(module)
+    if signature is None:  # no signature to read: let the call say
         return True
+    params = signature.parameters.values()
     return any(p.name == "labels" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _signature(module: nn.Module) -> str:
-    try:
-        return str(inspect.signature(module.forward))
-    except (TypeError, ValueError):
-        return "unknown"
+    signature = forward_signature(module)
+    return "unknown" if signature is None else str(signature)
 
 
 def own_loss(loss: Any, loss_items: LossItems, module: Any = None) -> OwnLoss | None:

@@ -51,17 +51,15 @@ def check_batchnorm_rows(module: nn.Module, *, samples: int | None, batch_size: 
         >>> check_batchnorm_rows(net, samples=64, batch_size=16, devices=[torch.device("cpu")],
         ...                      loads=[1.0], micro_batch_size=4)
     """
-    layer = next((name for name, m in module.named_modules() if isinstance(m, _ROW_NORMS)
-                  and (m.training or not module.training)), None)
-    if layer is None:
-        return
-    norm = f"the BatchNorm1d {layer!r}, which cannot normalise one row in training"
     n = -1 if samples is None else samples  # (-1: no last batch foreseen)
+    # The sizes first, the module's layers only for a piece of one row: most fits cut
+    # none, and they pay no walk of the module.
     if micro_batch_size is not None:
         # Micro-batches are cut from the start of each (global) batch, a multiple of their
         # size: only the data's last one can be shorter, of samples % size rows.
         tail = n % micro_batch_size if n > 0 else 0
-        if micro_batch_size == 1 or tail == 1:
+        norm = _norm(module) if micro_batch_size == 1 or tail == 1 else None
+        if norm is not None:
             good = [k for k in range(2, batch_size + 1) if batch_size % k == 0 and n % k != 1]
             fix = [f"micro_batch_size={good[0]} (or one of {good[1:6]})"] if good else []
             if tail == 1:
@@ -74,7 +72,8 @@ def check_batchnorm_rows(module: nn.Module, *, samples: int | None, batch_size: 
         return
     if loads is None:
         return
-    if not _two_each(batch_size, loads):
+    norm = _norm(module) if not _two_each(batch_size, loads) else None
+    if norm is not None:
         uneven = len(set(loads)) > 1
         name, got = ("work_load_list", list(loads)) if uneven else ("batch_size", batch_size)
         fail(name, got, f"slices of 2 rows or more for {norm}; a batch of {batch_size} rows "
@@ -82,12 +81,23 @@ def check_batchnorm_rows(module: nn.Module, *, samples: int | None, batch_size: 
              "loads that give every device 2 rows or more" if uneven else
              f"batch_size >= {2 * len(devices)}, or fewer devices")
     last = n % batch_size if n > 0 else 0
-    if world_size == 1 and last and not _two_each(last, loads):  # (ranks: their own share)
+    one_row = world_size == 1 and last and not _two_each(last, loads)  # (ranks: their own)
+    norm = _norm(module) if one_row else None
+    if norm is not None:
         good = [k for k in range(batch_size - 1, 1, -1) if _two_each(n % k, loads)][:3]
         fail("batch_size", batch_size, f"slices of 2 rows or more for {norm}; the last batch "
              f"of {n} rows has {last}, which gives a device 1 row",
              (f"batch_size={good[0]} (or one of {good[1:]}), or " if good else "")
              + f"the first {n - last} rows (the last batch dropped)")
+
+
+def _norm(module: nn.Module) -> str | None:
+    """The first ``BatchNorm1d`` that trains in ``module`` (its layers' modes as the fit runs
+    them), described for the error; None without one."""
+    layer = next((name for name, m in module.named_modules() if isinstance(m, _ROW_NORMS)
+                  and (m.training or not module.training)), None)
+    return None if layer is None else \
+        f"the BatchNorm1d {layer!r}, which cannot normalise one row in training"
 
 
 def _two_each(rows: int, loads: Sequence[float]) -> bool:

@@ -309,6 +309,8 @@ class DataParallelExecutorManager:
     ) -> None:
         """Copy host parameters and buffers (by name) into every device's replica; every
         name and shape is checked before anything is copied."""
+        if self._holds(arg_params, aux_params):
+            return  # one replica: the host's own tensors (nothing to check or copy)
         blocks = self._blocks("set_params", arg_params, aux_params)
         for names, arrays, src in blocks:
             for name, block in zip(names, arrays):
@@ -323,6 +325,8 @@ class DataParallelExecutorManager:
     ) -> None:
         """Average every parameter and buffer over devices into the caller's tensors, in place
         (cast to each target's dtype); replicas that agree give their values bit for bit."""
+        if self._holds(arg_params, aux_params):
+            return  # one replica: the caller's own tensors (nothing to check or average)
         for names, arrays, dst in self._blocks("copy_to", arg_params, aux_params):
             for name, block in zip(names, arrays):
                 if name in dst:
@@ -615,6 +619,21 @@ class DataParallelExecutorManager:
         for (names, arrays, given), arg in zip(blocks, ("arg_params", "aux_params")):
             checks.check_named(method, arg, given, names, arrays)
         return blocks
+
+    def _holds(self, arg_params: Any, aux_params: Any) -> bool:
+        """Whether the caller's mappings are exactly the one replica's parameters and buffers,
+        the same tensor objects under the same names (one device whose replica is the host
+        module itself): every name and shape checks, and every copy would be onto itself."""
+        if len(self.devices) != 1:
+            return False
+        blocks: tuple[tuple[list[str], Sequence[Sequence[torch.Tensor]], Any], ...] = (
+            (self.param_names, self.param_arrays, arg_params),
+            (self.aux_names, self.aux_arrays, aux_params))
+        for names, arrays, given in blocks:
+            if type(given) is not dict or len(given) != len(names) or any(
+                    given.get(name) is not block[0] for name, block in zip(names, arrays)):
+                return False
+        return True
 
     def _group(self, modules: list[nn.Module], key: Hashable) -> DataParallelExecutorGroup:
         group = DataParallelExecutorGroup(

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fitdp.call.custom_step import CustomStep
+from fitdp.call.host import HostTree
 from fitdp.call.interrupts import GUARD, Preempted
 from fitdp.call.modes import Modes
 from fitdp.call.monitor import Monitor
@@ -330,10 +331,11 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         if self._session is not None:
             raise RuntimeError("fit/evaluate/predict: called from inside another call (a "
                                "callback); run it after the current call returns")
-        modes = Modes(self.module)
+        tree = HostTree.read(self.module)  # (one walk: the modes and the weights)
+        modes = Modes(self.module, tree.modules)
         positions = [(s, s.state_dict()) for s in plan.borrowed]
         plan.join()  # under torchrun: the process group, and every rank's data compared
-        replicas = self._attach(plan.placement, compiled)
+        replicas = self._attach(plan.placement, compiled, tree)
         for source in (plan.source, getattr(plan, "val", None)):
             if source is not None:
                 replicas.prepare(source.plan())
@@ -359,15 +361,18 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             session.close()
             for source, position in positions:  # read from the start, given back unmoved
                 source.load_state_dict(position)
-            replicas.store_host(self.module)
-            modes.restore(self.module)
+            tree = HostTree.read(self.module)  # (as the call leaves it)
+            replicas.store_host(self.module, tree)
+            modes.restore(self.module, tree.modules)
 
-    def _attach(self, placement: Placement, compiled: Compiled | None) -> Replicas:
-        """The replicas for ``placement`` (reused when they fit), holding the host weights,
-        with the optimizer bound to them. Built whole before the old ones go."""
+    def _attach(self, placement: Placement, compiled: Compiled | None,
+                tree: HostTree) -> Replicas:
+        """The replicas for ``placement`` (reused when they fit), holding the host weights
+        (``tree``: the host module as the call found it), with the optimizer bound to them.
+        Built whole before the old ones go."""
         current = self._replicas
-        if current is not None and current.fits(self.module, placement, compiled):
-            current.load_host(self.module)
+        if current is not None and current.fits(tree.params, placement, compiled):
+            current.load_host(self.module, tree)
             return current
         if placement.default_bucket_key is None and current is not None:
             placement = Placement(placement.devices, placement.work_load_list,
