@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from fitdp.call.host import walk
+
 
 class Modes:
     """Each submodule's mode when a call starts (see the module docstring).
@@ -35,7 +37,7 @@ class Modes:
 
     def __init__(self, module: nn.Module,
                  named: Iterable[tuple[str, nn.Module]] | None = None) -> None:
-        named = module.named_modules() if named is None else named  # (read already)
+        named = walk(module) if named is None else named  # (read already)
         self.flags = {name: m.training for name, m in named}
 
     def apply(self, modules: Iterable[nn.Module], training: bool) -> None:
@@ -52,7 +54,7 @@ class Modes:
         """Give every submodule of ``module`` (``named``: its ``named_modules()``, when read
         already) that the call started with its mode back."""
         flags = self.flags
-        for name, m in module.named_modules() if named is None else named:
+        for name, m in walk(module) if named is None else named:
             flag = flags.get(name)
             if flag is not None and m.training is not flag:
                 m.training = flag

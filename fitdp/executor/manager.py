@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from fitdp.executor.update import Update, UpdateOptions, new_update
 from fitdp.executor.weighing import Weighing
 
 # Parameters or buffers: names, their ``[name][device]`` tensors, and the caller's by name.
+_FIRST = operator.itemgetter(0)  # a block's first replica's tensor
 _Named = tuple[list[str], Sequence[Sequence[torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
@@ -630,8 +632,8 @@ class DataParallelExecutorManager:
             (self.param_names, self.param_arrays, arg_params),
             (self.aux_names, self.aux_arrays, aux_params))
         for names, arrays, given in blocks:
-            if type(given) is not dict or len(given) != len(names) or any(
-                    given.get(name) is not block[0] for name, block in zip(names, arrays)):
+            if type(given) is not dict or len(given) != len(names) or any(map(
+                    operator.is_not, map(given.get, names), map(_FIRST, arrays))):
                 return False
         return True
 

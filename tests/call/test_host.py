@@ -71,6 +71,21 @@ def test_the_one_walk_names_tensors_as_torch_does() -> None:
     assert tree.modules == list(net.named_modules())
 
 
+def test_a_tree_holding_its_own_named_modules_is_asked() -> None:
+    """A submodule that lists its submodules its own way (here: hiding one) is walked as
+    torch's named_modules walks it, through that method."""
+    class Hiding(nn.Sequential):
+        def named_modules(self, memo: Any = None, prefix: str = "",
+                          remove_duplicate: bool = True) -> Any:
+            for name, m in super().named_modules(memo, prefix, remove_duplicate):
+                if not name.endswith(".1"):
+                    yield name, m
+
+    net = nn.Sequential(nn.Linear(2, 2), Hiding(nn.Linear(2, 2), nn.ReLU()))
+    assert HostTree.read(net).modules == list(net.named_modules())
+    assert [name for name, _ in HostTree.read(net).modules] == ["", "0", "1", "1.0"]
+
+
 def test_a_module_naming_its_own_tensors_is_asked() -> None:
     class Renamed(nn.Module):
         def __init__(self) -> None:
