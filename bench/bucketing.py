@@ -21,7 +21,7 @@ bucket alone, each in a fresh process (median of 5): peak RSS, and the part trai
 
 ``--fit-cost`` times one step of the GRU on rows 1..32 x widths 4..256 and fits the model
 automatic buckets minimise, ``fixed + per_timestep * width + per_token * rows * width`` ms
-(``fitdp.data.bucketing.GRU_CPU_STEP_COST`` holds the result), by least squares on the
+(``fitdp.data.length_groups.GRU_CPU_STEP_COST`` holds the result), by least squares on the
 relative error. ``--compile`` trains a token tagger (no RNN: dynamo does not trace
 ``nn.GRU``) on 160 sequences in 4 buckets, eager and ``compile=True``, each mode in a fresh
 process sharing one inductor cache: the first fit (cold, then warm cache) and a steady step.

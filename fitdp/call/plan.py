@@ -128,7 +128,8 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
              validation_steps: Any, validation_batch_size: Any, validation_freq: Any,
              devices: DevicesArg, work_load_list: Any, seed: Any, monitor: Any, resume: Any,
              log_every: int, timeout: Any, reproducible: Any = False,
-             micro_batch_size: Any = None, collate_fn: Any = None) -> FitPlan:
+             micro_batch_size: Any = None, collate_fn: Any = None,
+             group_by_length: Any = False) -> FitPlan:
     """``fit``'s arguments checked and its data read once; ``batch_size=WHOLE``: one batch of
     every row of in-memory data (``train_on_batch``)."""
     for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
@@ -152,7 +153,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
     forward = ForwardArguments.of(model)
     keep = forward.columns if forward is not None else None
     data = read_data(x, y, sample_weight, labels_optional=model.labels_optional,
-                     collate_fn=collate_fn, keep=keep)
+                     collate_fn=collate_fn, keep=keep, group_by_length=group_by_length)
     batch_size = _batch_size(batch_size, data)
     if isinstance(batch_size, Whole):
         batch_size = data.rows()

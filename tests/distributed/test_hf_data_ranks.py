@@ -2,7 +2,8 @@
 each rank collates every batch of 4 rows in order (the MLM collator's masks drawn alike on
 both) and trains its round-robin share, so the two ranks give the one-process hand loop over
 the same collated batches, two at a time (tests/model/test_hf_datasets.py's ``hand_loop``):
-weights, History, evaluate and predict."""
+weights, History, evaluate and predict. Rows grouped by length (``group_by_length=True``,
+shuffled, two epochs) are grouped alike on both ranks and shared round-robin by batch."""
 
 from __future__ import annotations
 
@@ -26,3 +27,6 @@ def test_two_ranks_train_the_hand_loop_over_the_collated_batches(tmp_path):
     for task in ("classify", "mlm"):
         net, history, evaluated, logits = hand_loop(task, batch_size=4, per_step=2)
         assert_saved_run(tmp_path / f"{task}.pt", net, history, evaluated, logits)
+    net, history, evaluated, logits = hand_loop("tag", batch_size=4, per_step=2, epochs=2,
+                                                grouped=True)
+    assert_saved_run(tmp_path / "tag_grouped.pt", net, history, evaluated, logits)

@@ -13,14 +13,17 @@ from dataclasses import asdict, dataclass, replace
 
 from hypothesis import strategies as st
 
-# Data kinds. "loader_*" are torch DataLoaders, "stateful_*" torchdata's StatefulDataLoader.
+import fitdp
+
+# Data kinds. "loader_*" are torch DataLoaders, "stateful_*" torchdata's StatefulDataLoader,
+# "grouped" a Dataset with fit(group_by_length=...).
 RESUMABLE_KINDS = ("tensors", "dict", "dataset", "loader", "loader_generator",
                    "loader_sampler", "loader_workers", "stateful", "stateful_generator",
-                   "buckets")
+                   "buckets", "grouped")
 KINDS = (*RESUMABLE_KINDS, "generator")
 # Kinds whose batches may have another length per batch (padded to each batch's longest):
 # the model then draws another amount of random numbers per batch (and per rank).
-VARLEN_KINDS = ("loader", "loader_generator", "stateful", "buckets")
+VARLEN_KINDS = ("loader", "loader_generator", "stateful", "buckets", "grouped")
 # Kinds whose resume onto shorter data the harness draws (a StatefulDataLoader's is issue 37
 # item 11, a separate refusal).
 SHORTENABLE = ("tensors", "dict", "dataset", "loader")
@@ -85,6 +88,11 @@ class Run:
         """Optimizer steps per epoch: the global batches (the same on any world size), by
         ``accum``."""
         batches = -(-ROWS // BATCH)
+        if self.kind == "grouped":  # a short batch per bucket: the sampler says how many
+            from harness_runner import grouped_lengths
+
+            per_rank = fitdp.BucketBatchSampler(grouped_lengths(), self.batch).num_batches
+            batches = -(-per_rank // self.ranks)
         return -(-batches // self.accum)
 
     def to_json(self) -> str:
@@ -145,7 +153,7 @@ def runs(draw: st.DrawFn, ranks: int = 1) -> Run:
                                 [k for k in RESUMABLE_KINDS if k != "loader_workers"]))
     if kind == "loader_workers" and draw(st.integers(0, 3)):  # workers are slow: rarely
         kind = "loader"
-    own_loss = kind in ("dict", "dataset", "loader", "stateful", "generator") and draw(
+    own_loss = kind in ("dict", "dataset", "loader", "stateful", "generator", "grouped") and draw(
         st.booleans())
     devices = draw(st.integers(1, 3)) if ranks == 1 else draw(st.integers(1, 2))
     randomness = draw(st.sampled_from(RANDOMNESS))
