@@ -93,6 +93,11 @@ def grouped_lengths(n: int = ROWS) -> list[int]:
     return (rows(n, seed=1)[0] != 0).sum(1).tolist()
 
 
+def grouped_batches(batch_size: int) -> int:
+    """Batches per epoch of the training rows grouped by length (a short one per bucket)."""
+    return fitdp.BucketBatchSampler(grouped_lengths(), batch_size).num_batches
+
+
 def trim(items: list[Any]) -> Any:
     """Collate, then cut the padding to the batch's longest sequence (variable lengths)."""
     batch = torch.utils.data.default_collate(items)

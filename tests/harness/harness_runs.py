@@ -13,8 +13,6 @@ from dataclasses import asdict, dataclass, replace
 
 from hypothesis import strategies as st
 
-import fitdp
-
 # Data kinds. "loader_*" are torch DataLoaders, "stateful_*" torchdata's StatefulDataLoader,
 # "grouped" a Dataset with fit(group_by_length=...).
 RESUMABLE_KINDS = ("tensors", "dict", "dataset", "loader", "loader_generator",
@@ -89,10 +87,9 @@ class Run:
         ``accum``."""
         batches = -(-ROWS // BATCH)
         if self.kind == "grouped":  # a short batch per bucket: the sampler says how many
-            from harness_runner import grouped_lengths
+            from harness_runner import grouped_batches
 
-            per_rank = fitdp.BucketBatchSampler(grouped_lengths(), self.batch).num_batches
-            batches = -(-per_rank // self.ranks)
+            batches = -(-grouped_batches(self.batch) // self.ranks)
         return -(-batches // self.accum)
 
     def to_json(self) -> str:
