@@ -362,3 +362,18 @@ def test_a_grouped_mid_epoch_checkpoint_refuses_another_grouping(tmp_path) -> No
                         **kw)
         for k, v in resumed.module.state_dict().items():
             assert torch.equal(v, before[k]), k
+
+
+def test_find_lr_takes_a_dataset_with_its_collator_and_grouping() -> None:
+    """find_lr reads data as fit does: a ``datasets.Dataset`` with ``collate_fn`` (it took
+    no collator before: a Hugging Face user could not sweep from the dataset), grouped by
+    length too; every step's loss is recorded and the model is put back as it was."""
+    model = compiled("tag")
+    before = _state(model)
+    finder = model.find_lr(hf_data.dataset("tag"), batch_size=BATCH, num_steps=5,
+                           devices=["cpu", "cpu"], seed=SEED, early_stop_threshold=None,
+                           collate_fn=hf_data.collator("tag"), group_by_length=True)
+    assert len(finder.lrs) == len(finder.losses) == 5
+    assert all(torch.isfinite(torch.tensor(finder.losses)))
+    for k, v in model.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
