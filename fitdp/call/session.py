@@ -34,6 +34,7 @@ from fitdp.call.monitor import Monitor
 from fitdp.call.plan import CallPlan, FitPlan
 from fitdp.call.replicas import Replicas
 from fitdp.call.run_state import RunState
+from fitdp.call.step_start import StepStart
 from fitdp.call.throughput import Throughput
 from fitdp.callbacks import CallbackList
 from fitdp.callbacks.base import is_log_point
@@ -104,6 +105,9 @@ class Session:
         self.grad_norm = cbs.logs_grad_norm  # "grad_norm" in the training logs
         self.data_state: dict[str, Any] | None = None  # train source at the last step
         self.start = CallStart(run, self.mgr, compiled, plan)  # (put back by ``rollback``)
+        # The buffers as each optimizer step found them (put back by ``rollback``).
+        self.step_start = StepStart(self.mgr.aux_arrays, replicas.modules()) \
+            if compiled is not None and self.mgr.aux_arrays else None
         self.watching = False  # SIGTERM is read between training steps (``preemption``)
         self.vote: Any = None  # under torchrun: the flag of the last step boundary, in flight
         self.throughput = Throughput(plan.source)
@@ -230,6 +234,8 @@ class Session:
             # next step begins (monitors, callbacks).
             first = run.micro_step == 0
             due = run.micro_step + 1 >= self.accum
+            if first and self.step_start is not None:
+                self.step_start.save(run.global_step)
             # Stepped inside the batch's hand-off, except on the call's first batch: its
             # outputs are checked before the first step. With several optimizers a custom
             # train_step steps them itself (``Model.optimizer_step``): fitdp takes none.
@@ -640,15 +646,19 @@ class Session:
 
     def rollback(self, error: BaseException) -> None:
         """After ``error``: drop the gradients and the position of batches not stepped, and
-        give the user's data source back where the last optimizer step left it; a call that
+        give the buffers (``StepStart``) and the user's data source back as the last optimizer
+        step left them; a call that
         took no optimizer step (and loaded no checkpoint's) is put back as it started
         (``CallStart``). Then the callbacks' ``on_exception``."""
         self.mgr.zero_grad()
         self.run.micro_step = 0
         if self.run.global_step == self.start.run.global_step:
             self.start.restore()
-        elif self.plan.user_source and self.data_state is not None:
-            self.plan.source.load_state_dict(self.data_state)
+        else:
+            if self.step_start is not None:  # the buffers a failed step's forwards moved
+                self.step_start.restore(self.run.global_step)
+            if self.plan.user_source and self.data_state is not None:
+                self.plan.source.load_state_dict(self.data_state)
         try:
             self.plan.callbacks.call("on_exception", error)
         except Exception as hook_err:  # noqa: BLE001 - the call's own error is raised
