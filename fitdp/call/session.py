@@ -155,8 +155,12 @@ class Session:
         plan.source.set_epoch(self.run.data_epoch)
         self.data_state = plan.source.state_dict()
 
-    def train_epoch(self) -> dict[str, float]:
-        """Train one epoch (``steps_per_epoch`` batches, or the data's); return its logs."""
+    def train_epoch(self) -> dict[str, float] | None:
+        """Train one epoch (``steps_per_epoch`` batches, or the data's); return its logs, or
+        None when the data ran out before the epoch's first batch: then it is no epoch (the
+        run's position is put back, training stops with a warning), so the History holds
+        only epochs that trained, each with its loss (Keras's "Your input ran out of data;
+        interrupting training", ``keras/src/trainers/epoch_iterator.py``)."""
         run, plan = self.run, self.plan
         assert isinstance(plan, FitPlan)  # noqa: S101 - start_fit ran
         if plan.steps is None and run.batch == 0:
@@ -166,9 +170,15 @@ class Session:
         self.reset_logs()
         self.epoch_logs.begin()  # resumed mid-epoch: they go on from the checkpoint's
         self.throughput.begin(self.train)  # type: ignore[arg-type]
-        run_batches(self.throughput.counted(self._epoch_batches()), plan.callbacks, TRAIN,
-                    self.train_step, run, self.preempted if self.watching else None)
+        done = run_batches(self.throughput.counted(self._epoch_batches()), plan.callbacks,
+                           TRAIN, self.train_step, run,
+                           self.preempted if self.watching else None)
         self.stop_if_preempted()  # (before the partial step below: the backup is of the last)
+        if not done and not run.batch:  # (a resumed epoch trained its batches before)
+            if not run.stop_training:  # (``_steps_batches`` warned already)
+                self._ran_out(f"before epoch {run.epoch}'s first batch")
+            run.undo_epoch()
+            return None
         self.epoch_logs.live = False
         if run.micro_step:  # the epoch's last batches, fewer than grad_accum_steps
             with GUARD:
@@ -207,16 +217,19 @@ class Session:
             left -= got
             if left > 0:
                 if fresh and got == 0:  # a new pass of the data yielded nothing
-                    warnings.warn(
-                        "x: the data ran out before steps_per_epoch batches, and training "
-                        "stops (Keras does the same). Fix: make it yield at least "
-                        "steps_per_epoch * epochs batches (an endless generator does).",
-                        FitdpWarning, stacklevel=2)
-                    run.stop_training = True
+                    self._ran_out("before steps_per_epoch batches")
                     return
                 run.data_epoch += 1
                 plan.source.set_epoch(run.data_epoch)
                 fresh = True
+
+    def _ran_out(self, where: str) -> None:
+        """Stop training: the data yielded no batch when one was due (``where``)."""
+        warnings.warn(
+            f"x: the data ran out {where}, and training stops (Keras does the same). Fix: "
+            "make it yield at least steps_per_epoch * epochs batches (an endless generator "
+            "does), or batches again on each pass.", FitdpWarning, stacklevel=3)
+        self.run.stop_training = True
 
     def train_step(self, batch: DataBatch, index: int) -> dict[str, float]:
         """Forward and backward of one batch; an optimizer step every ``grad_accum_steps``

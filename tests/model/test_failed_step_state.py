@@ -1,6 +1,7 @@
 """A fit that fails after it completed optimizer steps leaves the model as after the last of
 them (docs/design.md, "What a call does"): BatchNorm statistics on every replica and on the
-host, weights, optimizer state and the run position."""
+host, weights, optimizer state and the run position. A fit whose data runs out as an epoch
+begins counts no such epoch: its History and run position hold only epochs that trained."""
 
 from __future__ import annotations
 
@@ -144,3 +145,64 @@ def test_a_resumed_fit_failing_at_its_first_batch_leaves_the_checkpoints_buffers
                 resume=str(tmp_path / "m.ckpt"), callbacks=[FailAt(0)])
     assert other.global_step == 6
     assert_same_model(other, model)
+
+
+# -- data that runs out as an epoch begins ------------------------------------------------------
+
+VX, VY = X[:8], Y[:8]
+
+
+class Epochs(Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended: list[int] = []
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.ended.append(epoch)
+
+
+def assert_even(history: fitdp.callbacks.History, epochs: list[int]) -> None:
+    assert history.epoch == epochs
+    lengths = {k: len(v) for k, v in history.history.items()}
+    assert set(lengths.values()) == {len(epochs)} and "loss" in lengths, lengths
+
+
+def test_a_generator_ending_at_an_epochs_end_gives_an_even_history():
+    """Regression: a generator of 4 batches with steps_per_epoch=2 and epochs=3 ran out as
+    epoch 2 began, and that epoch was still validated and recorded: `val_loss` and `lr` had
+    3 values, `loss` 2, and the run counted epoch 2 as done. Keras warns "Your input ran out
+    of data; interrupting training" (keras/src/trainers/epoch_iterator.py) and ends the run:
+    fitdp stops there too, with the epochs that trained."""
+    model, seen = bn_model(), Epochs()
+    gen = ((X[i:i + 8], Y[i:i + 8]) for i in range(0, 32, 8))  # 4 batches
+    with pytest.warns(UserWarning, match="ran out before steps_per_epoch"):
+        history = model.fit(gen, epochs=3, steps_per_epoch=2, validation_data=(VX, VY),
+                            verbose=0, callbacks=[seen])
+    assert_even(history, [0, 1])
+    assert seen.ended == [0, 1]
+    run = model.run
+    assert (run.epoch, run.epoch_done, run.global_step, run.batch, run.data_epoch) == \
+        (1, True, 4, 2, 0)
+
+
+class OnePass(torch.utils.data.IterableDataset):
+    """Rows on its first pass only (a stream read once)."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    def __iter__(self) -> Any:
+        self.passes += 1
+        if self.passes == 1:
+            yield from zip(X[:16], Y[:16])
+
+
+def test_a_loader_with_no_batch_on_its_second_pass_stops_with_a_warning():
+    """Regression: epoch 1 trained nothing and was recorded without a loss (`val_loss` had
+    one value more than `loss`), and so was epoch 2."""
+    model = bn_model()
+    loader = torch.utils.data.DataLoader(OnePass(), batch_size=8)
+    with pytest.warns(UserWarning, match="ran out before epoch 1's first batch"):
+        history = model.fit(loader, epochs=3, validation_data=(VX, VY), verbose=0)
+    assert_even(history, [0])
+    assert (model.run.epoch, model.run.epoch_done, model.global_step) == (0, True, 2)
