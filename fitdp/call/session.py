@@ -104,10 +104,10 @@ class Session:
         cbs.set_params({**cbs.params, "log_every": self.log_every})
         self.grad_norm = cbs.logs_grad_norm  # "grad_norm" in the training logs
         self.data_state: dict[str, Any] | None = None  # train source at the last step
-        self.start = CallStart(run, self.mgr, compiled, plan)  # (put back by ``rollback``)
+        self.start = CallStart(run, compiled, plan)  # (put back by ``rollback``)
         # The buffers as each optimizer step found them (put back by ``rollback``).
         self.step_start = StepStart(self.mgr.aux_arrays, replicas.modules()) \
-            if compiled is not None and self.mgr.aux_arrays else None
+            if isinstance(plan, FitPlan) and self.mgr.aux_arrays else None
         self.watching = False  # SIGTERM is read between training steps (``preemption``)
         self.vote: Any = None  # under torchrun: the flag of the last step boundary, in flight
         self.throughput = Throughput(plan.source)
@@ -660,18 +660,16 @@ class Session:
     def rollback(self, error: BaseException) -> None:
         """After ``error``: drop the gradients and the position of batches not stepped, and
         give the buffers (``StepStart``) and the user's data source back as the last optimizer
-        step left them; a call that
-        took no optimizer step (and loaded no checkpoint's) is put back as it started
-        (``CallStart``). Then the callbacks' ``on_exception``."""
+        step left them; a call that took no optimizer step (and loaded no checkpoint's) is
+        put back as it started (``CallStart``). Then the callbacks' ``on_exception``."""
         self.mgr.zero_grad()
         self.run.micro_step = 0
+        if self.step_start is not None:  # the buffers a failed step's forwards moved
+            self.step_start.restore(self.run.global_step)
         if self.run.global_step == self.start.run.global_step:
             self.start.restore()
-        else:
-            if self.step_start is not None:  # the buffers a failed step's forwards moved
-                self.step_start.restore(self.run.global_step)
-            if self.plan.user_source and self.data_state is not None:
-                self.plan.source.load_state_dict(self.data_state)
+        elif self.plan.user_source and self.data_state is not None:
+            self.plan.source.load_state_dict(self.data_state)
         try:
             self.plan.callbacks.call("on_exception", error)
         except Exception as hook_err:  # noqa: BLE001 - the call's own error is raised
@@ -688,19 +686,15 @@ class Session:
 
 class CallStart:
     """What a call that fails before its first optimizer step must leave as it found: the
-    run's position and flags (``fit`` resets them when it starts), the replicas' buffers (the
-    failed first forward moved BatchNorm statistics), the optimizer's hyperparameters (a
-    callback's ``on_epoch_begin`` sets the rate) and the user's training source. Kept once
-    per call: a copy of the buffers, never of the weights (no step, no change to them)."""
+    run's position and flags (``fit`` resets them when it starts), the optimizer's
+    hyperparameters (a callback's ``on_epoch_begin`` sets the rate) and the user's training
+    source. Kept once per call; the buffers the failed first forward moved are
+    ``StepStart``'s, and the weights need no copy (no step, no change to them)."""
 
-    def __init__(self, run: RunState, mgr: Any, compiled: Compiled | None,
-                 plan: CallPlan) -> None:
+    def __init__(self, run: RunState, compiled: Compiled | None, plan: CallPlan) -> None:
         self.run = dataclasses.replace(run)
         self._live_run = run
         training = isinstance(plan, FitPlan)
-        self.buffers = [[t.detach().clone() for t in block] for block in mgr.aux_arrays] \
-            if training else []
-        self._mgr = mgr
         optimizer = compiled.optimizer if training and compiled is not None else None
         self.groups = [] if optimizer is None else [
             (group, {k: copy.copy(v) for k, v in group.items() if k != "params"})
@@ -711,10 +705,6 @@ class CallStart:
     def restore(self) -> None:
         for field in dataclasses.fields(self.run):
             setattr(self._live_run, field.name, getattr(self.run, field.name))
-        with torch.no_grad():
-            for block, saved in zip(self._mgr.aux_arrays, self.buffers):
-                for t, old in zip(block, saved):
-                    t.copy_(old)
         for group, values in self.groups:
             group.update(values)
         if self.source is not None and self.position is not None:

@@ -3,16 +3,16 @@
 A training forward moves BatchNorm's running statistics (and any buffer a module updates in
 place: spectral norm's vectors, a MoCo queue) before its loss, backward or metric can fail,
 on every replica it reached. A failed call must leave them as after the last completed
-optimizer step (docs/design.md, "What a call does"), so the session copies them at the first
-batch of every optimizer step (``Session.train_step``) and ``Session.rollback`` writes the
-copy back.
+optimizer step, or as the call found them when it took none (docs/design.md, "What a call
+does"), so the session copies them at the first batch of every optimizer step
+(``Session.train_step``) and ``Session.rollback`` writes the copy back.
 
 Which buffers is decided once per call: the call's first step copies every buffer; from the
 second on, only the running statistics of torch's normalization layers (``_NormBase``: its
 kernels write them without moving their ``Tensor._version``) and the buffers whose version
 the first step moved. A model whose buffers never change (position ids, masks) copies
 nothing per step; a CNN's copy is its BatchNorm statistics, a few kilobytes, in one
-``torch._foreach_copy_`` (measured in docs/benchmarks.md).
+``torch._foreach_copy_`` (5 to 20 us against a 40 ms step of a small CNN on a CPU).
 """
 
 from __future__ import annotations
