@@ -17,6 +17,7 @@ from fitdp.callbacks import Callback
 
 G = torch.Generator().manual_seed(5)
 X, Y = torch.randn(48, 4, generator=G), torch.randint(0, 3, (48,), generator=G)
+VX, VY = X[:8], Y[:8]
 FAIL_AT = 2  # the failing batch: two optimizer steps completed before it
 
 
@@ -46,16 +47,18 @@ class FailingMetric(torchmetrics.MeanMetric):
 
 
 class FailAt(Callback):
-    """Turns ``Switch`` on as batch ``at`` begins, and keeps each replica's buffers as every
-    batch ends (the test reads those of the last completed step)."""
+    """Turns ``Switch`` on as the fit's batch ``at`` (counted over its epochs) begins, and
+    keeps each replica's buffers as every batch ends (the test reads those of the last
+    completed step)."""
 
     def __init__(self, at: int | None) -> None:
         super().__init__()
-        self.at = at
+        self.at, self.begun = at, 0
         self.buffers: list[list[list[torch.Tensor]]] = []
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        Switch.on = batch == self.at
+        Switch.on = self.begun == self.at
+        self.begun += 1
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self.buffers.append([[t.clone() for t in block]
@@ -147,9 +150,27 @@ def test_a_resumed_fit_failing_at_its_first_batch_leaves_the_checkpoints_buffers
     assert_same_model(other, model)
 
 
-# -- data that runs out as an epoch begins ------------------------------------------------------
+def assert_even(history: fitdp.callbacks.History, epochs: list[int]) -> None:
+    assert history.epoch == epochs
+    lengths = {k: len(v) for k, v in history.history.items()}
+    assert set(lengths.values()) == {len(epochs)} and "loss" in lengths, lengths
 
-VX, VY = X[:8], Y[:8]
+
+def test_a_fit_failing_in_its_third_epoch_leaves_its_first_two_in_model_history():
+    """Regression: model.history was set only when fit returned, so after the failure it was
+    still None. Keras's History sets model.history as each epoch ends
+    (keras/src/callbacks/history.py): the epochs that completed are there."""
+    model = bn_model()
+    fit_failing(model, X, y=Y, batch_size=8, epochs=3, shuffle=False,
+                validation_data=(VX, VY), callbacks=[FailAt(13)])  # epoch 2's second batch
+    assert model.history is not None
+    assert_even(model.history, [0, 1])
+    assert set(model.history.history) == {"loss", "val_loss", "lr"}
+    run = model.run
+    assert (run.epoch, run.epoch_done, run.batch, run.global_step) == (2, False, 1, 13)
+
+
+# -- data that runs out as an epoch begins ------------------------------------------------------
 
 
 class Epochs(Callback):
@@ -159,12 +180,6 @@ class Epochs(Callback):
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self.ended.append(epoch)
-
-
-def assert_even(history: fitdp.callbacks.History, epochs: list[int]) -> None:
-    assert history.epoch == epochs
-    lengths = {k: len(v) for k, v in history.history.items()}
-    assert set(lengths.values()) == {len(epochs)} and "loss" in lengths, lengths
 
 
 def test_a_generator_ending_at_an_epochs_end_gives_an_even_history():
