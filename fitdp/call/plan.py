@@ -20,7 +20,7 @@ from fitdp.call.replicas import Placement
 from fitdp.callbacks import Callback, CallbackList, Profiler, WeightAveraging
 from fitdp.checks import FitdpWarning, check_choice, check_int, check_number, fail
 from fitdp.data.sources import DataSource
-from fitdp.data.sources.make import Kind, UserData, read_data
+from fitdp.data.sources.make import Kind, UserData, batched_from_rows, read_data
 from fitdp.executor.batchnorm_rows import check_batchnorm_rows
 from fitdp.executor.devices import DevicesArg, pin_host_batches, resolve_devices
 from fitdp.executor.slicing import check_work_load_arg
@@ -359,12 +359,13 @@ def _validation_freq(freq: Any) -> int | Sequence[int]:
 def _validation_data(data: Any, optional: bool, collate_fn: Any,
                      keep: frozenset[str] | None) -> UserData:
     """``validation_data``: ``(x, y[, sample_weight])`` or data that yields its own targets
-    (rows batched by ``fit``'s ``collate_fn``, as Trainer's ``data_collator`` batches both)."""
+    (rows batched by ``fit``'s ``collate_fn``, as Trainer's ``data_collator`` batches both;
+    in-memory tensors or a DataLoader are used as they are)."""
     x, y, w = data, None, None
     if isinstance(data, tuple) and len(data) in (2, 3):
         x, y, w = (*data, None) if len(data) == 2 else data
     return read_data(x, y, w, name="validation_data", labels_optional=optional,
-                     collate_fn=collate_fn, keep=keep)
+                     collate_fn=collate_fn if batched_from_rows(x) else None, keep=keep)
 
 
 def _users(data: UserData | None) -> bool:

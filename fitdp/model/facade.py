@@ -251,7 +251,10 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             for epoch in range(run.next_epoch, plan.epochs):
                 run.begin_epoch(epoch)
                 cbs.call("on_epoch_begin", epoch, {})
-                logs = session.train_epoch()
+                trained = session.train_epoch()
+                if trained is None:  # the data ran out as the epoch began: no epoch
+                    break
+                logs = trained
                 self.throughput = dict(session.rates)
                 if plan.validates(epoch):
                     val = session.test_pass(plan.val, cbs, plan.val_steps)  # type: ignore[arg-type]

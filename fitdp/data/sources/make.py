@@ -242,6 +242,19 @@ KINDS: tuple[DataKind, ...] = (
 )
 
 
+ROW_KINDS = (Kind.DATASET, Kind.HF, Kind.STREAM)  # batched by fitdp from rows
+
+
+def batched_from_rows(x: Any) -> bool:
+    """Whether fitdp batches ``x`` from its rows itself, so that a ``collate_fn`` applies.
+
+    Example:
+        >>> batched_from_rows([{"x": 1}]), batched_from_rows(torch.zeros(4, 2))
+        (True, False)
+    """
+    return _kind(x) in ROW_KINDS
+
+
 def read_data(x: Any, y: Any = None, sample_weight: Any = None, *, has_labels: bool = True,
               labels_optional: bool = False, name: str = "x",
               collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -310,7 +323,7 @@ def _check_collate(collate_fn: Any, kind: Kind, x: Any, name: str) -> None:
     if not callable(collate_fn):
         fail("collate_fn", collate_fn, "a callable that makes one batch of a list of rows "
              "(a DataCollatorWithPadding, or your own function)", error=TypeError)
-    if kind not in (Kind.DATASET, Kind.HF, Kind.STREAM):
+    if kind not in ROW_KINDS:
         fail("collate_fn", f"a collate function together with {name} of type "
              f"{type(x).__name__} ({kind.value}), which fitdp does not batch",
              "collate_fn with a Dataset, a list of rows, an IterableDataset or a Hugging Face "
