@@ -69,7 +69,7 @@ PINNED = {
     # issue 38: rows grouped by length (fit(group_by_length=...)), resumed in epoch 1 on
     # another device count
     "grouped_rows_resumed_mid_epoch_1_on_other_devices": Run(
-        kind="grouped", varlen=True, devices=2, own_loss=True, validation=False,
+        kind="grouped", varlen=True, devices=2, own_loss=True, validation=True,
         stop=Stop(step=6, devices=3)),
 }
 
