@@ -369,9 +369,7 @@ class Session:
     def end_epoch(self, logs: dict[str, float]) -> None:
         """Record the rate this epoch trained with, then step a per-epoch scheduler."""
         assert self.compiled is not None  # noqa: S101
-        lr = self.compiled.learning_rate
-        if lr is not None:
-            logs["lr"] = lr
+        logs.update(self.compiled.learning_rates)
         self.compiled.step_scheduler("epoch")
         self.run.epoch_done = True
 
