@@ -82,15 +82,25 @@ class Run:
         return BATCH // self.ranks
 
     @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch: the global batches (the same on any world size), by
-        ``accum``."""
-        batches = -(-ROWS // BATCH)
+    def batches_per_epoch(self) -> int:
+        """Global batches per epoch (the same on any world size)."""
         if self.kind == "grouped":  # a short batch per bucket: the sampler says how many
             from harness_runner import grouped_batches
 
-            batches = -(-grouped_batches(self.batch) // self.ranks)
-        return -(-batches // self.accum)
+            return -(-grouped_batches(self.batch) // self.ranks)
+        return -(-ROWS // BATCH)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch: the global batches by ``accum`` (an epoch's last
+        batches, fewer than ``accum``, step too)."""
+        return -(-self.batches_per_epoch // self.accum)
+
+    @property
+    def last_step_after_a_batch(self) -> bool:
+        """An epoch's last step follows its last batch's end; else (fewer than ``accum``
+        batches left) it is taken as the epoch ends, after every batch's callbacks."""
+        return self.batches_per_epoch % self.accum == 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -124,6 +134,8 @@ def stops(draw: st.DrawFn, run: Run) -> Stop | None:
         step = steps_per_epoch * draw(st.integers(1, run.epochs))
     else:
         step = draw(st.integers(1, total))
+        if step % steps_per_epoch == 0 and not run.last_step_after_a_batch:
+            at = "epoch_end"  # no batch ends after that step
     how = draw(st.sampled_from(["checkpoint", "backup"]))
     if run.kind == "generator":
         how = "checkpoint"  # a backup of every N steps may be mid-epoch
