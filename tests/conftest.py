@@ -10,6 +10,7 @@ one 2-rank torchrun job for all the collected ones (tests/distributed/shared_wor
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,12 +50,15 @@ class RankRun:
 @pytest.fixture(scope="session")
 def shared_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                  ) -> Callable[[str], RankRun]:
-    """``shared_ranks(SCRIPT)``: that script's run, every collected test's ``ranks_script``
-    run in one torchrun job, started at the first call (a torchrun start is ~15 s of CPU)."""
-    scripts = sorted({m.args[0] for item in request.session.items
-                      for m in item.iter_markers("ranks_script")})
-    names = [Path(s).stem for s in scripts]
-    assert len(set(names)) == len(names), f"two rank scripts of one name: {scripts}"
+    """``shared_ranks(SCRIPT)``: that script's run (``SCRIPT *ARGS OUT``, the mark's
+    arguments), every collected test's ``ranks_script`` run in one torchrun job, started at
+    the first call (a torchrun start is ~15 s of CPU)."""
+    marks = {(m.args[0], tuple(m.args[1:])) for item in request.session.items
+             for m in item.iter_markers("ranks_script")}
+    scripts = dict(sorted(marks))
+    assert len(scripts) == len(marks), f"a rank script marked with two argument lists: {marks}"
+    names = {s: Path(s).stem for s in scripts}
+    assert len(set(names.values())) == len(names), f"two rank scripts of one name: {marks}"
     root = tmp_path_factory.mktemp("ranks")
     runs: dict[str, RankRun] = {}
 
@@ -64,10 +68,13 @@ def shared_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
             from test_distributed import launch  # noqa: PLC0415
 
             worker = str(Path(__file__).parent / "distributed" / "shared_worker.py")
-            args = [a for s, n in zip(scripts, names)
-                    for a in (s, str(root / n), str(root / f"{n}.log"))]
-            _, output, _ = launch("", root, script=[worker, *args], limit=120 + 60 * len(scripts))
-            for s, n in zip(scripts, names):
+            jobs = root / "jobs.json"
+            jobs.write_text(json.dumps([
+                {"argv": [s, *args, str(root / names[s])], "log": str(root / f"{names[s]}.log")}
+                for s, args in scripts.items()]))
+            _, output, _ = launch("", root, script=[worker, str(jobs)],
+                                  limit=120 + 60 * len(scripts))
+            for s, n in names.items():
                 logs = [(root / f"{n}.log.rank{r}") for r in (0, 1)]
                 texts = [f.read_text() if f.exists() else "" for f in logs]
                 codes = [t.rsplit("exit code ", 1)[-1].strip() if "exit code " in t
