@@ -12,8 +12,11 @@ sequences with log-normal lengths in [4, 256] (mean about 40), batch 32, Adam, o
   (c) shuffle, sort by length inside mega-batches of 50 batches, pad   hand loop
       each batch to its longest (the usual PyTorch recipe)
   (d) ``fitdp.BucketIterator`` (automatic buckets) through ``Model.fit``
+  (e) the rows as a list of dicts, a collate function padding each batch to its longest,
+      ``Model.fit(rows, collate_fn=pad, group_by_length="tokens")`` (a Hugging Face user's
+      ``group_by_length``: the same automatic buckets, padded per batch by the collator)
 
-Speed: the four train in one process, their epochs interleaved; real tokens/s counts the
+Speed: the five train in one process, their epochs interleaved; real tokens/s counts the
 sequences' tokens (padding excluded) per second of CPU time of the fastest epoch. Memory: 20
 buckets (``bucket_module``: one executor group each) over all the data against the largest
 bucket alone, each in a fresh process (median of 5): peak RSS, and the part training added
@@ -21,7 +24,7 @@ bucket alone, each in a fresh process (median of 5): peak RSS, and the part trai
 
 ``--fit-cost`` times one step of the GRU on rows 1..32 x widths 4..256 and fits the model
 automatic buckets minimise, ``fixed + per_timestep * width + per_token * rows * width`` ms
-(``fitdp.data.bucketing.GRU_CPU_STEP_COST`` holds the result), by least squares on the
+(``fitdp.data.length_groups.GRU_CPU_STEP_COST`` holds the result), by least squares on the
 relative error. ``--compile`` trains a token tagger (no RNN: dynamo does not trace
 ``nn.GRU``) on 160 sequences in 4 buckets, eager and ``compile=True``, each mode in a fresh
 process sharing one inductor cache: the first fit (cold, then warm cache) and a steady step.
@@ -97,6 +100,11 @@ class Strategy:
         self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-3)
         if key in ("a", "b", "c"):
             return
+        if key == "e":
+            self.rows = [{"tokens": s, "label": int(y)} for s, y in zip(seqs, labels)]
+            self.model = fitdp.Model(self.net)
+            self.model.compile(optimizer="adam", lr=1e-3, loss="cross_entropy")
+            return
         buckets = None  # (d): automatic
         if key != "d":  # 20 buckets at length quantiles; the largest holds the longest
             buckets = sorted({int(q) for q in np.quantile(self.lengths, np.linspace(0.05, 1, 20))})
@@ -110,6 +118,12 @@ class Strategy:
         self.model.compile(optimizer="adam", lr=1e-3, loss="cross_entropy")
 
     def epoch(self, e: int) -> tuple[int, int]:
+        if self.key == "e":
+            self.padded = 0
+            self.model.fit(self.rows, batch_size=BATCH, epochs=e + 1, initial_epoch=e, seed=0,
+                           collate_fn=self.pad, group_by_length="tokens", devices=["cpu"],
+                           verbose=0)
+            return int(self.lengths.sum()), self.padded
         if self.key not in ("a", "b", "c"):
             self.model.fit(self.it, epochs=e + 1, initial_epoch=e, devices=["cpu"], verbose=0)
             return self.it.num_tokens, round(self.it.num_tokens / (1 - self.it.padding_fraction))
@@ -127,6 +141,16 @@ class Strategy:
         return real, padded
 
 
+    def pad(self, rows: list[dict]) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """(e)'s collate function: tokens padded to the batch's longest, their lengths."""
+        lengths = torch.tensor([len(r["tokens"]) for r in rows])
+        x = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+        for row, r in enumerate(rows):
+            x[row, :len(r["tokens"])] = r["tokens"]
+        self.padded += x.numel()
+        return (x, lengths), torch.tensor([r["label"] for r in rows])
+
+
 def memory(key: str, n: int, epochs: int) -> dict[str, float]:
     """Peak RSS (MiB) of ``epochs`` epochs of one strategy, and what training added."""
     pin_threads()
@@ -140,11 +164,11 @@ def memory(key: str, n: int, epochs: int) -> dict[str, float]:
 
 
 def speed(out: Results, n: int, epochs: int) -> None:
-    strategies = [Strategy(k, n) for k in "abcd"]
+    strategies = [Strategy(k, n) for k in "abcde"]
     cpu: dict[str, list[float]] = {s.key: [] for s in strategies}
     tokens: dict[str, tuple[int, int]] = {}
     for e in range(epochs):
-        for s in strategies[e % 4:] + strategies[:e % 4]:
+        for s in strategies[e % 5:] + strategies[:e % 5]:
             t = time.process_time()
             tokens[s.key] = s.epoch(e)
             cpu[s.key].append(time.process_time() - t)
@@ -159,6 +183,10 @@ def speed(out: Results, n: int, epochs: int) -> None:
                 "tokens/s", None, ">=" if target else "", target)
     out.row("speed", "padding of automatic buckets", "(c)'s", pad["c"], pad["d"], "fraction",
             pad["d"], "<=", 0.05, "ratio: (d)'s padding itself")
+    for ref, name, target in (("b", "(b) pad to the batch's longest", 2.0),
+                              ("c", "(c) length-grouped sampler", None)):
+        out.row("speed", f"GRU, real tokens/s: (e) fit(group_by_length) vs {name}", name,
+                rate[ref], rate["e"], "tokens/s", None, ">=" if target else "", target)
 
 
 def memories(out: Results, n: int, epochs: int, quick: bool) -> None:

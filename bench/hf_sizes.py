@@ -25,6 +25,10 @@ ranks    2 torchrun ranks (gloo on 127.0.0.1, one thread each), every rank its h
          global batch: a hand ``DistributedDataParallel`` loop, fitdp ``strategy="ddp"`` and
          ``strategy="fsdp"``; step time and each rank's peak RSS against the 16 bytes per
          parameter that fp32 weights, gradients and Adam's two moments take.
+
+``--quick`` (a smoke run: its numbers mean nothing) runs every case once on a tiny GPT-2, the
+single-process cases at once, and the three rank cases in turn in one torchrun job (each
+process start imports torch, transformers and fitdp: seconds of CPU each).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +246,13 @@ def single(case: str, model_name: str, steps: int, quick: bool) -> dict[str, Any
     return out
 
 
-def ranked(case: str, model_name: str, steps: int, quick: bool) -> None:
+def ranked(cases: str, model_name: str, steps: int, quick: bool) -> None:
+    """The cases (comma-separated) of the ranks section in turn, on this torchrun rank."""
+    for case in cases.split(","):
+        rank_case(case, model_name, steps, quick)
+
+
+def rank_case(case: str, model_name: str, steps: int, quick: bool) -> None:
     """One case of the ranks section, on this torchrun rank: emits its numbers."""
     pin_threads()
     import torch.distributed as dist  # noqa: PLC0415
@@ -261,7 +272,8 @@ def ranked(case: str, model_name: str, steps: int, quick: bool) -> None:
     else:
         # batch_size is one process's: each rank trains its shard of every global batch.
         fitdp_case(net, data, rows, clock, strategy=case)
-    emit({"rank": rank, "step": statistics.median(clock.seconds[1:]), "peak": peak_gb(),
+    emit({"case": case, "rank": rank, "step": statistics.median(clock.seconds[1:]),
+          "peak": peak_gb(),
           "grown": peak_gb() - base, "params": sum(p.numel() for p in net.parameters())})
 
 
@@ -298,7 +310,7 @@ def main() -> None:
     p.add_argument("--sections", default="single,ranks")
     p.add_argument("--models", default="gpt2,bert")
     p.add_argument("--case", nargs=2, metavar=("CASE", "MODEL"), help=argparse_suppress())
-    p.add_argument("--rank-case", nargs=2, metavar=("CASE", "MODEL"), help=argparse_suppress())
+    p.add_argument("--rank-case", nargs=2, metavar=("CASES", "MODEL"), help=argparse_suppress())
     args = p.parse_args()
     steps = 2 if args.quick else args.steps
     if args.case:
@@ -317,21 +329,43 @@ def main() -> None:
         label = {"gpt2": "GPT-2 124M, batch 4x128", "bert": "BERT-base classifier, batch 8x128"}[
             model_name]
         if "single" in sections:
-            runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
-            for r in range(repeats):
-                for case in cases[r % len(cases):] + cases[:r % len(cases)]:
-                    quick = ["--quick"] * args.quick
-                    runs[case].append(in_process(["--case", case, model_name, *quick], 1500))
-            report_single(out, label, runs)
+            report_single(out, label, single_runs(cases, model_name, repeats, args.quick))
         if "ranks" in sections:
-            found = {c: [] for c in RANKS}  # type: dict[str, list[list[dict[str, Any]]]]
-            for r in range(repeats):
-                for case in RANKS[r % len(RANKS):] + RANKS[:r % len(RANKS)]:
-                    found[case].append(torchrun(
-                        [str(HERE), "--rank-case", case, model_name,
-                         *(["--quick"] * args.quick)], timeout=1500))
-            report_ranks(out, label, found)
+            report_ranks(out, label, rank_runs(model_name, repeats, args.quick))
     out.finish()
+
+
+def rotated(cases: tuple[str, ...], repeats: int) -> list[tuple[str, ...]]:
+    """Each round's order of the cases, rotating from round to round."""
+    return [cases[r % len(cases):] + cases[:r % len(cases)] for r in range(repeats)]
+
+
+def single_runs(cases: tuple[str, ...], model_name: str, repeats: int, quick: bool
+                ) -> dict[str, list[dict[str, Any]]]:
+    """Each case's numbers from each round, one fresh process per case and round: one after
+    the other, or all at once in a quick run (whose numbers mean nothing)."""
+    order = [case for one in rotated(cases, repeats) for case in one]
+    flag = ["--quick"] * quick
+    with ThreadPoolExecutor(len(order) if quick else 1) as pool:
+        got = pool.map(lambda case: in_process(["--case", case, model_name, *flag], 1500),
+                       order)
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
+        for case, numbers in zip(order, got):
+            runs[case].append(numbers)
+    return runs
+
+
+def rank_runs(model_name: str, repeats: int, quick: bool) -> dict[str, list[list[dict[str, Any]]]]:
+    """Each rank case's ranks' numbers from each round: one torchrun job per case and round,
+    or one job for the three in a quick run (one start of 3 processes instead of three)."""
+    jobs = [RANKS] if quick else [(case,) for one in rotated(RANKS, repeats) for case in one]
+    found: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in RANKS}
+    for job in jobs:
+        lines = torchrun([str(HERE), "--rank-case", ",".join(job), model_name,
+                          *(["--quick"] * quick)], timeout=1500)
+        for case in job:
+            found[case].append([line for line in lines if line["case"] == case])
+    return found
 
 
 def argparse_suppress() -> str:

@@ -6,8 +6,9 @@ a transformers ``PreTrainedTokenizerFast``, and the model is built from a config
 The reviews are generated: a subject, a verb and two adjectives, one of which carries the
 sentiment ("the plot was slow and dull" is negative). ``fit`` takes the dataset and the
 collator (``collate_fn=``, as ``Trainer(data_collator=)``), drops the ``text`` column the model's
-``forward`` does not take (one note), pads each batch to its longest review and trains on the
-model's own loss (``compile(loss=None)``) on two CPU replicas.
+``forward`` does not take (one note), batches reviews of similar length together
+(``group_by_length=True``, as ``Trainer``'s), pads each batch to its longest review and trains
+on the model's own loss (``compile(loss=None)``) on two CPU replicas.
 
 Run:  python examples/finetune_hf_dataset.py          (~100% held-out accuracy, ~15 s)
       python examples/finetune_hf_dataset.py --fast   (a few seconds: the test suite's setting)
@@ -90,7 +91,8 @@ def main() -> None:
     collator = DataCollatorWithPadding(tokenizer)
     # (a note names the text column dropped from each dataset: not a forward argument)
     history = model.fit(train, batch_size=32, epochs=epochs, collate_fn=collator,
-                        validation_data=held_out, devices=["cpu", "cpu"], seed=0, verbose=0)
+                        group_by_length=True, validation_data=held_out,
+                        devices=["cpu", "cpu"], seed=0, verbose=0)
     for epoch, (loss, acc) in enumerate(zip(history.history["loss"],
                                             history.history["val_accuracy"])):
         print(f"epoch {epoch + 1}: loss {loss:.4f}, held-out accuracy {acc:.3f}")

@@ -13,6 +13,7 @@ from fitdp.call.interrupts import Preempted
 from fitdp.call.monitor import Monitor
 from fitdp.data.batch import DataBatch, DataDesc
 from fitdp.data.bucketing import BucketIterator
+from fitdp.data.length_groups import BucketBatchSampler
 from fitdp.data.sequence import TokenMean
 from fitdp.executor.ddp import DDP
 from fitdp.executor.fsdp import FSDP
@@ -22,7 +23,8 @@ from fitdp.saving.checkpoint import CheckpointError
 from fitdp.saving.export import load_predictor
 
 __all__ = [
-    "DDP", "FSDP", "BucketIterator", "CheckpointError", "DataBatch", "DataDesc", "Model",
+    "DDP", "FSDP", "BucketBatchSampler", "BucketIterator", "CheckpointError", "DataBatch",
+    "DataDesc", "Model",
     "Monitor", "Preempted", "TokenMean",
     "__version__", "all_gather", "callbacks", "executor", "load_predictor",
     "unpack_x_y_sample_weight",

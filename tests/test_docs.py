@@ -5,17 +5,33 @@ one script (in order, so later blocks use earlier names), run in a fresh namespa
 temporary working directory. Code that must not run here (GPU only, servers, torchrun) goes in
 ```text or ```bash blocks. Other spellings of Python fences (```py, ```pycon, ...) are refused,
 so no snippet silently escapes the test.
+
+What a statement writes to stdout (a ``print(...)``, ``model.summary()``, a ``fit`` whose
+progress bar or callback prints) is shown in the ``#`` lines right under the statement's last
+line, ``# `` removed, one comment line per output line. The test compares them with what the
+statement wrote (all of it: a print in a loop, a callback's prints during the fit) under
+doctest's ELLIPSIS and NORMALIZE_WHITESPACE, so ``...`` stands for a part that varies by
+machine or run (a time, a path, a measured load). Under a print statement they must match (a
+print that never ran fails); under another statement that wrote nothing they are prose. So a
+prose comment about a statement that writes goes at the end of its line or after a blank
+line, never right under it.
 """
 
 from __future__ import annotations
 
+import ast
+import doctest
 import importlib.util
 import logging
 import re
 import subprocess
 import sys
 import warnings
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
 
 import pytest
 import torch
@@ -56,6 +72,99 @@ def page_script(page: Path) -> str:
     return "\n".join(lines[1:]) + "\n"
 
 
+OUTPUT_LINE = re.compile(r"^[ \t]*#(?: (?P<text>.*))?$")  # "# text", or "#" for an empty line
+Lines = tuple[int, int]  # a statement's first and last line
+
+
+def statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The simple statements of top-level code (inside if/for/try/with too, not in a def or
+    class body): the ones whose output a page shows under them."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        inner = [getattr(node, f, []) for f in ("body", "orelse", "finalbody")]
+        inner += [handler.body for handler in getattr(node, "handlers", [])]
+        inner += [case.body for case in getattr(node, "cases", [])]
+        if any(inner):
+            for block in inner:
+                yield from statements(block)
+        else:
+            yield node
+
+
+def is_print(node: ast.stmt) -> bool:
+    call = node.value if isinstance(node, ast.Expr) else None
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+            and call.func.id == "print")
+
+
+def shown_outputs(script: str) -> dict[Lines, tuple[bool, str]]:
+    """What the script shows its statements write: the ``#`` lines right under a statement's
+    last line, ``# `` removed, keyed by its lines, with whether it is a print statement."""
+    lines, shown = script.splitlines(), {}
+    for node in statements(ast.parse(script).body):
+        want = []
+        for line in lines[node.end_lineno or node.lineno:]:
+            m = OUTPUT_LINE.match(line)
+            if m is None:
+                break
+            want.append((m["text"] or "") + "\n")
+        if want:
+            shown[node.lineno, node.end_lineno or node.lineno] = (is_print(node), "".join(want))
+    return shown
+
+
+class PageStdout:
+    """``sys.stdout`` while a page runs: writes through, and keeps what was written while each
+    line of the page's top-level code ran (the line its module frame is at: a print in a
+    callback counts for the ``fit`` that called it; a write from another thread, for none)."""
+
+    def __init__(self, stream: TextIO, filename: str) -> None:
+        self.stream, self.filename = stream, filename
+        self.written: dict[int, list[str]] = defaultdict(list)
+
+    def write(self, text: str) -> int:
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename != self.filename
+                                     or frame.f_code.co_name != "<module>"):
+            frame = frame.f_back
+        if frame is not None:
+            self.written[frame.f_lineno].append(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, encoding, ...: the stream's
+        return getattr(self.stream, name)
+
+
+def wrong_outputs(script: str, written: dict[int, list[str]], page: str) -> list[str]:
+    """Where a statement wrote other than what the script shows under it. The lines under a
+    statement that wrote nothing are prose, unless it is a print statement."""
+    checker, wrong = doctest.OutputChecker(), []
+    for (first, last), (must, want) in sorted(shown_outputs(script).items()):
+        got = "".join(text for line in range(first, last + 1) for text in written.get(line, []))
+        if (got or must) and not checker.check_output(
+                want, got, doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE):
+            wrong.append(f"{page}:{first}: the page shows\n{want}but it wrote\n"
+                         f"{got or '(nothing)'}")
+    return wrong
+
+
+def run_page(page: Path, name: str) -> list[str]:
+    """Run the page's python blocks as one script (module ``name``); where what a statement
+    wrote differs from what the page shows under it."""
+    script = page_script(page)
+    code = compile(script, str(page), "exec")  # tracebacks point into the page
+    stdout = sys.stdout
+    out = PageStdout(stdout, str(page))
+    sys.stdout = out  # type: ignore[assignment]  # it writes through to the stdout it holds
+    try:
+        exec(code, {"__name__": name})
+    finally:
+        sys.stdout = stdout
+    return wrong_outputs(script, out.written,
+                         str(page.relative_to(ROOT) if page.is_relative_to(ROOT) else page))
+
+
 def _has_python(page: Path) -> bool:
     return any(lang == "python" for lang, _, _ in fenced_blocks(page))
 
@@ -66,10 +175,9 @@ def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.chdir(tmp_path)  # files the snippets write land here
     threads, root = torch.get_num_threads(), logging.getLogger()
     level, handlers = root.level, list(root.handlers)
-    code = compile(page_script(page), str(page), "exec")  # tracebacks point into the page
     torch.set_num_threads(1)  # tiny models: one thread each is fastest, and CI cores are shared
     try:
-        exec(code, {"__name__": f"docs.{page.stem}"})  # not "__main__": servers stay off
+        wrong = run_page(page, f"docs.{page.stem}")  # not "__main__": servers stay off
     except ImportError as err:
         missing = missing_extra(err)
         if missing is None:
@@ -79,6 +187,50 @@ def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
         torch.set_num_threads(threads)
         root.setLevel(level)
         root.handlers[:] = handlers
+    assert not wrong, "\n\n".join(wrong)
+
+
+PAGE = """# A page
+
+```python
+def call(hook):
+    hook()
+
+
+print(1 + 1)
+# 2
+for i in range(2):
+    print(i)
+# 0
+# 1
+print("took 0.123s")
+# took ...s
+call(lambda: print("from a callback"))
+# from a callback
+x = 3
+# prose: a statement that writes nothing
+if x > 5:
+    print("never")
+# never
+print("wrong")
+# right
+```
+"""
+
+
+def test_a_page_shows_what_its_statements_write(tmp_path: Path) -> None:
+    """Regression: the ``#`` outputs under a page's prints were never compared with what they
+    printed, so a page showing a false output passed. Now a wrong output and a print that
+    never ran fail; ``...``, a print in a loop and a callback's print under the call pass,
+    and the lines under a statement that writes nothing are prose."""
+    page = tmp_path / "page.md"
+    page.write_text(PAGE)
+    lines = PAGE.splitlines()
+    wrong = run_page(page, "docs.page")
+    assert [w.split(": the page shows")[0] for w in wrong] == [
+        f"{page}:{lines.index(line) + 1}" for line in ('    print("never")', 'print("wrong")')]
+    assert wrong[0].endswith("but it wrote\n(nothing)")
+    assert "right\nbut it wrote\nwrong" in wrong[1]
 
 
 # Optional extras (pyproject.toml) a page may use, directly or through fitdp: a base install

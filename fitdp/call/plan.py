@@ -20,7 +20,7 @@ from fitdp.call.replicas import Placement
 from fitdp.callbacks import Callback, CallbackList, Profiler, WeightAveraging
 from fitdp.checks import FitdpWarning, check_choice, check_int, check_number, fail
 from fitdp.data.sources import DataSource
-from fitdp.data.sources.make import Kind, UserData, read_data
+from fitdp.data.sources.make import Kind, UserData, batched_from_rows, read_data
 from fitdp.executor.batchnorm_rows import check_batchnorm_rows
 from fitdp.executor.devices import DevicesArg, pin_host_batches, resolve_devices
 from fitdp.executor.slicing import check_work_load_arg
@@ -128,7 +128,8 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
              validation_steps: Any, validation_batch_size: Any, validation_freq: Any,
              devices: DevicesArg, work_load_list: Any, seed: Any, monitor: Any, resume: Any,
              log_every: int, timeout: Any, reproducible: Any = False,
-             micro_batch_size: Any = None, collate_fn: Any = None) -> FitPlan:
+             micro_batch_size: Any = None, collate_fn: Any = None,
+             group_by_length: Any = False) -> FitPlan:
     """``fit``'s arguments checked and its data read once; ``batch_size=WHOLE``: one batch of
     every row of in-memory data (``train_on_batch``)."""
     for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
@@ -152,7 +153,7 @@ def plan_fit(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int 
     forward = ForwardArguments.of(model)
     keep = forward.columns if forward is not None else None
     data = read_data(x, y, sample_weight, labels_optional=model.labels_optional,
-                     collate_fn=collate_fn, keep=keep)
+                     collate_fn=collate_fn, keep=keep, group_by_length=group_by_length)
     batch_size = _batch_size(batch_size, data)
     if isinstance(batch_size, Whole):
         batch_size = data.rows()
@@ -358,12 +359,13 @@ def _validation_freq(freq: Any) -> int | Sequence[int]:
 def _validation_data(data: Any, optional: bool, collate_fn: Any,
                      keep: frozenset[str] | None) -> UserData:
     """``validation_data``: ``(x, y[, sample_weight])`` or data that yields its own targets
-    (rows batched by ``fit``'s ``collate_fn``, as Trainer's ``data_collator`` batches both)."""
+    (rows batched by ``fit``'s ``collate_fn``, as Trainer's ``data_collator`` batches both;
+    in-memory tensors or a DataLoader are used as they are)."""
     x, y, w = data, None, None
     if isinstance(data, tuple) and len(data) in (2, 3):
         x, y, w = (*data, None) if len(data) == 2 else data
     return read_data(x, y, w, name="validation_data", labels_optional=optional,
-                     collate_fn=collate_fn, keep=keep)
+                     collate_fn=collate_fn if batched_from_rows(x) else None, keep=keep)
 
 
 def _users(data: UserData | None) -> bool:

@@ -39,6 +39,9 @@ class RunState:
     stop_training: bool = False
     stop_evaluating: bool = False
     stop_predicting: bool = False
+    # The position ``begin_epoch`` left (``undo_epoch`` goes back to it); never saved.
+    before_epoch: tuple[int, bool, int, int] = dataclasses.field(
+        default=(0, False, 0, 0), repr=False, compare=False)
 
     def begin_fit(self, initial_epoch: int) -> None:
         """The state a fresh fit starts from (a resume then loads over it)."""
@@ -47,8 +50,14 @@ class RunState:
         self.stop_training = False
 
     def begin_epoch(self, epoch: int) -> None:
+        self.before_epoch = (self.epoch, self.epoch_done, self.batch, self.data_epoch)
         if epoch != self.epoch or self.epoch_done:
             self.epoch, self.epoch_done, self.batch = epoch, False, 0
+
+    def undo_epoch(self) -> None:
+        """Back to the position before ``begin_epoch``: an epoch that trained no batch (its
+        data ran out as it began) is no epoch."""
+        self.epoch, self.epoch_done, self.batch, self.data_epoch = self.before_epoch
 
     @property
     def next_epoch(self) -> int:

@@ -34,6 +34,7 @@ from fitdp.call.monitor import Monitor
 from fitdp.call.plan import CallPlan, FitPlan
 from fitdp.call.replicas import Replicas
 from fitdp.call.run_state import RunState
+from fitdp.call.step_start import StepStart
 from fitdp.call.throughput import Throughput
 from fitdp.callbacks import CallbackList
 from fitdp.callbacks.base import is_log_point
@@ -103,7 +104,10 @@ class Session:
         cbs.set_params({**cbs.params, "log_every": self.log_every})
         self.grad_norm = cbs.logs_grad_norm  # "grad_norm" in the training logs
         self.data_state: dict[str, Any] | None = None  # train source at the last step
-        self.start = CallStart(run, self.mgr, compiled, plan)  # (put back by ``rollback``)
+        self.start = CallStart(run, compiled, plan)  # (put back by ``rollback``)
+        # The buffers as each optimizer step found them (put back by ``rollback``).
+        self.step_start = StepStart(self.mgr.aux_arrays, replicas.modules()) \
+            if isinstance(plan, FitPlan) and self.mgr.aux_arrays else None
         self.watching = False  # SIGTERM is read between training steps (``preemption``)
         self.vote: Any = None  # under torchrun: the flag of the last step boundary, in flight
         self.throughput = Throughput(plan.source)
@@ -151,8 +155,12 @@ class Session:
         plan.source.set_epoch(self.run.data_epoch)
         self.data_state = plan.source.state_dict()
 
-    def train_epoch(self) -> dict[str, float]:
-        """Train one epoch (``steps_per_epoch`` batches, or the data's); return its logs."""
+    def train_epoch(self) -> dict[str, float] | None:
+        """Train one epoch (``steps_per_epoch`` batches, or the data's); return its logs, or
+        None when the data ran out before the epoch's first batch: then it is no epoch (the
+        run's position is put back, training stops with a warning), so the History holds
+        only epochs that trained, each with its loss (Keras's "Your input ran out of data;
+        interrupting training", ``keras/src/trainers/epoch_iterator.py``)."""
         run, plan = self.run, self.plan
         assert isinstance(plan, FitPlan)  # noqa: S101 - start_fit ran
         if plan.steps is None and run.batch == 0:
@@ -162,9 +170,15 @@ class Session:
         self.reset_logs()
         self.epoch_logs.begin()  # resumed mid-epoch: they go on from the checkpoint's
         self.throughput.begin(self.train)  # type: ignore[arg-type]
-        run_batches(self.throughput.counted(self._epoch_batches()), plan.callbacks, TRAIN,
-                    self.train_step, run, self.preempted if self.watching else None)
+        done = run_batches(self.throughput.counted(self._epoch_batches()), plan.callbacks,
+                           TRAIN, self.train_step, run,
+                           self.preempted if self.watching else None)
         self.stop_if_preempted()  # (before the partial step below: the backup is of the last)
+        if not done and not run.batch:  # (a resumed epoch trained its batches before)
+            if not run.stop_training:  # (``_steps_batches`` warned already)
+                self._ran_out(f"before epoch {run.epoch}'s first batch")
+            run.undo_epoch()
+            return None
         self.epoch_logs.live = False
         if run.micro_step:  # the epoch's last batches, fewer than grad_accum_steps
             with GUARD:
@@ -203,16 +217,19 @@ class Session:
             left -= got
             if left > 0:
                 if fresh and got == 0:  # a new pass of the data yielded nothing
-                    warnings.warn(
-                        "x: the data ran out before steps_per_epoch batches, and training "
-                        "stops (Keras does the same). Fix: make it yield at least "
-                        "steps_per_epoch * epochs batches (an endless generator does).",
-                        FitdpWarning, stacklevel=2)
-                    run.stop_training = True
+                    self._ran_out("before steps_per_epoch batches")
                     return
                 run.data_epoch += 1
                 plan.source.set_epoch(run.data_epoch)
                 fresh = True
+
+    def _ran_out(self, where: str) -> None:
+        """Stop training: the data yielded no batch when one was due (``where``)."""
+        warnings.warn(
+            f"x: the data ran out {where}, and training stops (Keras does the same). Fix: "
+            "make it yield at least steps_per_epoch * epochs batches (an endless generator "
+            "does), or batches again on each pass.", FitdpWarning, stacklevel=3)
+        self.run.stop_training = True
 
     def train_step(self, batch: DataBatch, index: int) -> dict[str, float]:
         """Forward and backward of one batch; an optimizer step every ``grad_accum_steps``
@@ -230,6 +247,8 @@ class Session:
             # next step begins (monitors, callbacks).
             first = run.micro_step == 0
             due = run.micro_step + 1 >= self.accum
+            if first and self.step_start is not None:
+                self.step_start.save(run.global_step)
             # Stepped inside the batch's hand-off, except on the call's first batch: its
             # outputs are checked before the first step. With several optimizers a custom
             # train_step steps them itself (``Model.optimizer_step``): fitdp takes none.
@@ -350,9 +369,7 @@ class Session:
     def end_epoch(self, logs: dict[str, float]) -> None:
         """Record the rate this epoch trained with, then step a per-epoch scheduler."""
         assert self.compiled is not None  # noqa: S101
-        lr = self.compiled.learning_rate
-        if lr is not None:
-            logs["lr"] = lr
+        logs.update(self.compiled.learning_rates)
         self.compiled.step_scheduler("epoch")
         self.run.epoch_done = True
 
@@ -640,11 +657,13 @@ class Session:
 
     def rollback(self, error: BaseException) -> None:
         """After ``error``: drop the gradients and the position of batches not stepped, and
-        give the user's data source back where the last optimizer step left it; a call that
-        took no optimizer step (and loaded no checkpoint's) is put back as it started
-        (``CallStart``). Then the callbacks' ``on_exception``."""
+        give the buffers (``StepStart``) and the user's data source back as the last optimizer
+        step left them; a call that took no optimizer step (and loaded no checkpoint's) is
+        put back as it started (``CallStart``). Then the callbacks' ``on_exception``."""
         self.mgr.zero_grad()
         self.run.micro_step = 0
+        if self.step_start is not None:  # the buffers a failed step's forwards moved
+            self.step_start.restore(self.run.global_step)
         if self.run.global_step == self.start.run.global_step:
             self.start.restore()
         elif self.plan.user_source and self.data_state is not None:
@@ -665,19 +684,15 @@ class Session:
 
 class CallStart:
     """What a call that fails before its first optimizer step must leave as it found: the
-    run's position and flags (``fit`` resets them when it starts), the replicas' buffers (the
-    failed first forward moved BatchNorm statistics), the optimizer's hyperparameters (a
-    callback's ``on_epoch_begin`` sets the rate) and the user's training source. Kept once
-    per call: a copy of the buffers, never of the weights (no step, no change to them)."""
+    run's position and flags (``fit`` resets them when it starts), the optimizer's
+    hyperparameters (a callback's ``on_epoch_begin`` sets the rate) and the user's training
+    source. Kept once per call; the buffers the failed first forward moved are
+    ``StepStart``'s, and the weights need no copy (no step, no change to them)."""
 
-    def __init__(self, run: RunState, mgr: Any, compiled: Compiled | None,
-                 plan: CallPlan) -> None:
+    def __init__(self, run: RunState, compiled: Compiled | None, plan: CallPlan) -> None:
         self.run = dataclasses.replace(run)
         self._live_run = run
         training = isinstance(plan, FitPlan)
-        self.buffers = [[t.detach().clone() for t in block] for block in mgr.aux_arrays] \
-            if training else []
-        self._mgr = mgr
         optimizer = compiled.optimizer if training and compiled is not None else None
         self.groups = [] if optimizer is None else [
             (group, {k: copy.copy(v) for k, v in group.items() if k != "params"})
@@ -688,10 +703,6 @@ class CallStart:
     def restore(self) -> None:
         for field in dataclasses.fields(self.run):
             setattr(self._live_run, field.name, getattr(self.run, field.name))
-        with torch.no_grad():
-            for block, saved in zip(self._mgr.aux_arrays, self.buffers):
-                for t, old in zip(block, saved):
-                    t.copy_(old)
         for group, values in self.groups:
             group.update(values)
         if self.source is not None and self.position is not None:

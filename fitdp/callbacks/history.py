@@ -80,6 +80,9 @@ class History(Callback):
         # to the same logs dict are picked up by `_backfill`.
         self._last_logs = logs
         self._recorded = set(logs or {})
+        model = self.model
+        if model is not None:  # as Keras's: a fit that fails later leaves its epochs there
+            model.history = self
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         self._backfill()

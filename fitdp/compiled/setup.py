@@ -155,11 +155,16 @@ class Compiled:
         return self.optimizer
 
     @property
-    def learning_rate(self) -> float | None:
-        """The first parameter group's learning rate (the ``lr`` log key), or None."""
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        lr = groups[0].get("lr") if groups else None
-        return float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
+    def learning_rates(self) -> dict[str, float]:
+        """The rates an epoch's logs record: ``lr``, the first parameter group's; with
+        several optimizers each one's first group's, as ``<name>_lr`` (``d_lr``, ``g_lr``:
+        the first alone would be logged unnamed as every optimizer's)."""
+        optimizer = self.optimizer
+        if isinstance(optimizer, MultiOptimizer):
+            named = {f"{name}_lr": _first_rate(opt) for name, opt in optimizer.optimizers.items()}
+            return {k: v for k, v in named.items() if v is not None}
+        lr = _first_rate(optimizer) if optimizer is not None else None
+        return {} if lr is None else {"lr": lr}
 
     def loss_scale(self) -> Any:
         """What ``backward`` multiplies each loss by: ``1 / grad_accum_steps`` (the update is
@@ -211,3 +216,10 @@ def check_forward_kwargs(kwargs: Any) -> None:
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         fail("forward_kwargs", kwargs, "a dict of keyword arguments for the module's forward, "
              "such as {'use_cache': False}", error=TypeError)
+
+
+def _first_rate(optimizer: torch.optim.Optimizer) -> float | None:
+    """The learning rate of ``optimizer``'s first parameter group, or None."""
+    groups = optimizer.param_groups
+    lr = groups[0].get("lr") if groups else None
+    return float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None

@@ -3,128 +3,17 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from fitdp.checks import check_choice, check_int
 from fitdp.data.batch import DataBatch, DataDesc
+from fitdp.data.length_groups import BucketBatchSampler
 from fitdp.data.sources.protocol import SourcePlan, past_end_problem
 from fitdp.data.sources.sequences import as_labels, as_sequences, check_pad
-
-
-class StepCost(NamedTuple):
-    """A step on ``rows`` sequences padded to ``width`` takes ``fixed + per_timestep * width +
-    per_token * rows * width`` (any unit: only ratios count).
-
-    Example:
-        >>> choose_buckets([3] * 40 + [9] * 40, batch_size=32, step_cost=StepCost(0, 0, 1))
-        [3, 9]
-    """
-
-    fixed: float
-    per_timestep: float
-    per_token: float
-
-
-# What automatic buckets minimise: a step of bench/bucketing.py's GRU (one thread, 2-core CPU;
-# `python bench/bucketing.py --fit-cost` fits rows 1..32 x widths 4..256) takes 0.50 ms + 0.064
-# ms per timestep + 0.0023 ms per token (error: median 3%, worst 13%). A timestep costs as much
-# as 28 rows: a short last batch costs half a full one (fixed + rows x width: 28% off).
-GRU_CPU_STEP_COST = StepCost(fixed=0.50, per_timestep=0.064, per_token=0.0023)
-AUTO_PADDING_TARGET = 0.05  # automatic buckets pad at most this share of all tokens,
-AUTO_MAX_BUCKETS = 64  # in at most this many buckets (each an executor group, a compiled graph)
-_MAX_CANDIDATES = 512  # bucket lengths searched; the DP costs O(buckets * K^2)
-
-
-def choose_buckets(
-    lengths: Sequence[int] | torch.Tensor | np.ndarray,
-    batch_size: int,
-    padding_target: float = AUTO_PADDING_TARGET,
-    max_buckets: int = AUTO_MAX_BUCKETS,
-    step_cost: StepCost = GRU_CPU_STEP_COST,
-) -> list[int]:
-    """Bucket lengths of the least modelled training time per epoch, with little padding.
-
-    Every bucket holds at least ``min(batch_size, len(lengths))`` samples; ``p`` samples at width
-    ``w`` cost ``ceil(p / batch_size)`` steps of ``step_cost`` (the short last batch too) on
-    ``p * w`` tokens. An exact dynamic program over the distinct lengths (at most 512; quantiles
-    beyond) finds the cheapest boundaries. Padding above ``padding_target`` is charged extra (a
-    Lagrange multiplier, bisected) until within it, or least padding if nothing is.
-
-    Args:
-        lengths: the length of every sample (positive ints).
-        batch_size: samples per batch; the minimum bucket population.
-        padding_target: the most padding (pad / (real + pad)) to accept.
-        max_buckets: the most buckets to use.
-        step_cost: the step time model (default: measured for a GRU on a CPU).
-
-    Returns:
-        Sorted bucket lengths; the last is the longest sample.
-
-    Example:
-        >>> choose_buckets([2, 2, 3, 9, 9, 10], batch_size=2)
-        [3, 10]
-    """
-    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    n, batch_size = len(lens), check_int("batch_size", batch_size, 1)
-    max_buckets = check_int("max_buckets", max_buckets, 1)
-    if n == 0 or lens.min() < 1:
-        raise ValueError(f"lengths: received {lens.tolist()[:8]}...; expected ints >= 1.")
-    cand = np.unique(lens)
-    if len(cand) > _MAX_CANDIDATES:  # keep the DP's K x K matrix small: quantiles as candidates
-        cand = np.unique(np.quantile(lens, np.linspace(0, 1, _MAX_CANDIDATES), method="higher"))
-    k = len(cand)
-    group = np.searchsorted(cand, lens, side="left")  # each sample -> smallest candidate >= it
-    count = np.concatenate([[0], np.cumsum(np.bincount(group, minlength=k))]).astype(np.float64)
-    real = np.concatenate([[0], np.cumsum(np.bincount(group, weights=lens, minlength=k))])
-    i, j = np.arange(k + 1)[:, None], np.arange(k + 1)[None, :]  # bucket [i, j): groups i..j-1
-    pop, width = count[j] - count[i], np.concatenate([[0], cand]).astype(np.float64)[j]
-    valid = (j > i) & (pop >= min(batch_size, n))
-    fixed, per_timestep, per_token = (float(c) for c in step_cost)
-    steps = np.ceil(pop / batch_size)  # the short last batch costs a step too
-    time = np.where(valid, steps * (fixed + per_timestep * width) + per_token * pop * width, np.inf)
-    pad = np.where(valid, pop * width - (real[j] - real[i]), 0.0)
-
-    def solve(weight: float) -> tuple[list[int], bool]:
-        ends = _cheapest_split(time + weight * pad, max_buckets)
-        padded = sum(pad[a, b] for a, b in zip([0, *ends[:-1]], ends))
-        return ends, padded <= padding_target * (real[k] + padded)
-
-    ends, ok = solve(0.0)
-    if not ok:  # padding falls as its weight grows; above every plan's time: least padding
-        lo, hi = 0.0, float(np.max(time, where=valid, initial=0.0)) * max_buckets + 1.0
-        ends, ok = solve(hi)
-        for _ in range(12 if ok else 0):  # geometric: a 1e9 range to within 1%
-            mid = math.sqrt(max(lo, 1e-9 * hi) * hi)
-            mid_ends, mid_ok = solve(mid)
-            lo, hi, ends = (lo, mid, mid_ends) if mid_ok else (mid, hi, ends)
-    return [int(cand[e - 1]) for e in ends]
-
-
-def _cheapest_split(cost: np.ndarray, max_buckets: int) -> list[int]:
-    """Exact DP: split candidates 0..k-1 into at most ``max_buckets`` consecutive buckets of
-    least total ``cost[i, j]`` (one bucket = candidates i..j-1); each bucket's end ``j``."""
-    k = cost.shape[0] - 1
-    best = np.concatenate([[0.0], np.full(k, np.inf)])  # best[j]: candidates 0..j-1 split
-    cols, parents = np.arange(k + 1), []
-    for _ in range(max_buckets):  # layer m: at most m + 1 buckets
-        total = best[:, None] + cost
-        arg = total.argmin(axis=0)
-        better = total[arg, cols] < best  # strict: on a tie the fewer buckets stay
-        if not better.any():  # no extra bucket helps anywhere: the optimum is reached
-            break
-        parents.append(np.where(better, arg, -1))
-        best = np.where(better, total[arg, cols], best)
-    ends, end = [], k
-    for arg in reversed(parents):  # -1: the same split as one layer down
-        if arg[end] >= 0:
-            ends.append(end)
-            end = int(arg[end])
-    return ends[::-1]
 
 
 class BucketIterator:
@@ -209,43 +98,22 @@ class BucketIterator:
             raise ValueError(f"labels: got one label of shape {tuple(self._labels.shape[1:])} "
                              "per sequence with layout='TN'; expected per-token labels or one "
                              "number per sequence. Fix: layout='NT', or flatten the labels.")
-        self.buckets = self._check_buckets(buckets)
         self.shuffle, self.include_lengths = bool(shuffle), bool(include_lengths)
         # Drawn from the global RNG so torch.manual_seed(...) reproduces a seed=None run.
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
+        self._order = BucketBatchSampler(self._lengths, batch_size, buckets=buckets,
+                                         shuffle=self.shuffle, seed=self.seed, name="sequences")
+        self.buckets = self._order.buckets
         # _restarts counts set_epoch/load_state_dict calls: a live iteration stops on a change.
         self._epoch = self._position = self._restarts = 0
         # A pass ran to the epoch's end since the last set_epoch/load_state_dict: the next
         # iteration starts the next epoch. Not a position at the end (a loaded one, or a pass
         # stopped after the last batch): fit then asks for the next epoch itself.
         self._ran_out = False
-
-        bucket_of = torch.searchsorted(torch.tensor(self.buckets), self._lengths)
-        width = torch.tensor(self.buckets)[bucket_of]
-        self._members = [torch.nonzero(bucket_of == b)[:, 0] for b in range(len(self.buckets))]
-        self._num_batches = sum(math.ceil(len(m) / batch_size) for m in self._members)
+        self._num_batches = self._order.num_batches
         self.num_tokens = int(self._lengths.sum())
+        width = self._order.widths
         self.padding_fraction = float((width - self._lengths).sum()) / float(width.sum())
-        self._order_cache: tuple[tuple[int, int], list[tuple[int, torch.Tensor]]] | None = None
-
-    def _check_buckets(self, buckets: Sequence[int] | None) -> list[int]:
-        """Validate user buckets (or choose them) and check every sequence fits."""
-        longest = int(self._lengths.max())
-        if buckets is None:
-            return choose_buckets(self._lengths.numpy(), self.batch_size)
-        if isinstance(buckets, (torch.Tensor, np.ndarray)):
-            buckets = buckets.tolist()
-        fix = "pass positive ints, e.g. buckets=[16, 32, 64], or buckets=None"
-        if not isinstance(buckets, (list, tuple)) or not buckets:
-            error = ValueError if isinstance(buckets, (list, tuple)) else TypeError
-            raise error(f"buckets: received {buckets!r}; expected a non-empty list. Fix: {fix}.")
-        out = sorted({check_int("buckets", b, 1, fix=fix) for b in buckets})
-        if longest > out[-1]:
-            raise ValueError(
-                f"sequences[{int(torch.argmax(self._lengths))}] has length {longest}, longer "
-                f"than the largest bucket {out[-1]} (buckets={out}). Fix: add a bucket >= "
-                f"{longest}, or pass buckets=None to choose them from the lengths.")
-        return out
 
     @property
     def default_bucket_key(self) -> int:
@@ -287,7 +155,7 @@ class BucketIterator:
 
     def plan(self) -> SourcePlan:
         """For the manager: the buckets that have samples, the largest as default, its inputs."""
-        keys = tuple(k for k, m in zip(self.buckets, self._members) if len(m))
+        keys = tuple(k for k, m in zip(self.buckets, self._order.members) if len(m))
         return SourcePlan(bucket_keys=keys, default_bucket_key=self.default_bucket_key,
                           inputs=[*self.provide_data, *self.provide_label],
                           rows_per_step=None, num_samples=self.num_samples)
@@ -331,22 +199,6 @@ class BucketIterator:
         self._position = int(state["position"])
         self._restarts, self._ran_out = self._restarts + 1, False
 
-    def _epoch_order(self, epoch: int) -> list[tuple[int, torch.Tensor]]:
-        """(bucket length, sample indices) of every batch of ``epoch``; depends on (seed, epoch)."""
-        if self._order_cache is not None and self._order_cache[0] == (self.seed, epoch):
-            return self._order_cache[1]
-        g = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + epoch) % 2**64)
-        batches: list[tuple[int, torch.Tensor]] = []
-        for width, members in zip(self.buckets, self._members):
-            if self.shuffle:
-                members = members[torch.randperm(len(members), generator=g)]
-            if len(members):  # split() of an empty bucket would yield one empty batch
-                batches.extend((width, part) for part in members.split(self.batch_size))
-        if self.shuffle:
-            batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-        self._order_cache = ((self.seed, epoch), batches)  # by seed: load_state_dict sets it
-        return batches
-
     def count_tokens(self, batch: DataBatch) -> int:
         """The tokens of ``batch`` (one of this iterator's): its samples' own lengths
         summed, the padding left out (``tokens_per_sec`` of ``History.throughput``)."""
@@ -376,7 +228,7 @@ class BucketIterator:
     def __iter__(self) -> Iterator[DataBatch]:
         if self._ran_out:  # a pass ran to the epoch's end, no set_epoch since: move on
             self._epoch, self._position, self._ran_out = self._epoch + 1, 0, False
-        restarts, order = self._restarts, self._epoch_order(self._epoch)
+        restarts, order = self._restarts, self._order.batches(self.seed, self._epoch)
         while self._restarts == restarts and self._position < len(order):
             width, index = order[self._position]
             self._position += 1  # counted before the yield: a checkpoint taken in the step

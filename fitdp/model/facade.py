@@ -202,7 +202,8 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             monitor: Monitor | None = None, resume: Any = None, log_every: int = 50,
             timeout: float = DEFAULT_TIMEOUT, reproducible: bool = False,
             micro_batch_size: int | None = None,
-            collate_fn: Callable[[list[Any]], Any] | None = None, **legacy: Any) -> History:
+            collate_fn: Callable[[list[Any]], Any] | None = None,
+            group_by_length: bool | str | Sequence[int] = False, **legacy: Any) -> History:
         """Train for ``epochs`` epochs; returns the ``History`` (see docs/api.md and Keras's fit).
 
         The arguments up to ``validation_freq`` may be given by position, in Keras's order
@@ -216,7 +217,10 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
         (docs/reproducible.md). ``collate_fn``: how the rows of a ``Dataset``, a list of rows
         or a Hugging Face ``datasets.Dataset`` become one batch, for ``x`` and
         ``validation_data`` (``Trainer(data_collator=)``: a ``DataCollatorWithPadding``, or
-        any callable; docs/huggingface.md).
+        any callable; docs/huggingface.md). ``group_by_length``: batch rows of similar length
+        together (``Trainer``'s ``group_by_length``), so the collator pads little: True
+        reads each row's length from its ``length`` column, else its ``input_ids``; a column
+        name, or one length per row (docs/huggingface.md).
         """
         compiled = self._require_compiled("fit")
         compiled.trainable(self.module)
@@ -229,7 +233,8 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             validation_batch_size=validation_batch_size, validation_freq=validation_freq,
             devices=devices, work_load_list=work_load_list, seed=seed, monitor=monitor,
             resume=resume, log_every=log_every, timeout=timeout, reproducible=reproducible,
-            micro_batch_size=micro_batch_size, collate_fn=collate_fn)
+            micro_batch_size=micro_batch_size, collate_fn=collate_fn,
+            group_by_length=group_by_length)
         run, cbs = self.run, plan.callbacks
         self._trained_on = plan.source.plan()  # export's batch and sequence axes
         self._averaging = next((cb for cb in cbs if isinstance(cb, WeightAveraging)), None)
@@ -247,7 +252,10 @@ class Model(KerasSteps, ModelIO, ModelExtras, LRFinding):
             for epoch in range(run.next_epoch, plan.epochs):
                 run.begin_epoch(epoch)
                 cbs.call("on_epoch_begin", epoch, {})
-                logs = session.train_epoch()
+                trained = session.train_epoch()
+                if trained is None:  # the data ran out as the epoch began: no epoch
+                    break
+                logs = trained
                 self.throughput = dict(session.rates)
                 if plan.validates(epoch):
                     val = session.test_pass(plan.val, cbs, plan.val_steps)  # type: ignore[arg-type]

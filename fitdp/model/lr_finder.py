@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +168,9 @@ class LRFinding:
                 shuffle: bool = True,
                 sample_weight: Any = None, class_weight: dict[int, float] | None = None,
                 devices: DevicesArg = "auto", work_load_list: Sequence[float] | str | None = None,
-                seed: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> LRFinder:
+                seed: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+                collate_fn: Callable[[list[Any]], Any] | None = None,
+                group_by_length: bool | str | Sequence[int] = False) -> LRFinder:
         """The learning-rate range test: train ``num_steps`` optimizer steps with the rate
         growing geometrically from ``min_lr`` to ``max_lr`` (every parameter group gets the
         same rate; a compiled ``lr_scheduler`` is not stepped), record each step's loss,
@@ -184,7 +186,7 @@ class LRFinding:
 
         Args:
             x, y, batch_size, shuffle, sample_weight, class_weight, devices,
-                work_load_list, seed, timeout: as for ``fit``.
+                work_load_list, seed, timeout, collate_fn, group_by_length: as for ``fit``.
             min_lr, max_lr: the first and last rate (``0 < min_lr < max_lr``).
             num_steps: optimizer steps of the sweep (2 to 1,000,000).
             early_stop_threshold: the divergence factor (> 1), or None to run every step.
@@ -228,7 +230,8 @@ class LRFinding:
                 class_weight=class_weight, initial_epoch=0, steps_per_epoch=steps * accum,
                 validation_steps=None, validation_batch_size=None, validation_freq=1,
                 devices=devices, work_load_list=work_load_list, seed=seed, monitor=None,
-                resume=None, log_every=1, timeout=timeout)
+                resume=None, log_every=1, timeout=timeout, collate_fn=collate_fn,
+                group_by_length=group_by_length)
             position = plan.source.state_dict()
             try:
                 with self._call(plan, compiled) as session:

@@ -250,6 +250,9 @@ def test_gan_with_two_optimizers_equals_a_hand_loop(devices: list[str]) -> None:
                                dict(ref.named_parameters()))
     assert set(h.history) >= {"d_loss", "g_loss"} and "loss" not in h.history
     assert model.global_step == 8
+    # each optimizer's rate under its name (the first one's logged as "lr" misnamed g's)
+    assert h.history["d_lr"] == [0.01, 0.01] and h.history["g_lr"] == [0.1, 0.1]
+    assert "lr" not in h.history
 
 
 def test_gan_checkpoint_resumes_both_optimizers(tmp_path) -> None:

@@ -7,7 +7,6 @@ whatever the devices, and read on the host only at log points."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,6 @@ from torch.nn import functional as F
 
 import fitdp
 from fitdp.callbacks import Callback, GradNormLogger, is_log_point
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
 X = torch.randn(40, 6, generator=torch.Generator().manual_seed(0))
 Y = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(1))
@@ -88,15 +85,14 @@ def test_grad_norm_in_the_reproducible_mode():
     assert seen == pytest.approx(hand_norms(8), rel=1e-5)
 
 
-def test_grad_norm_under_two_ranks(tmp_path):
+@pytest.mark.distributed
+@pytest.mark.ranks_script(str(Path(__file__).with_name("grad_norm_worker.py")))
+def test_grad_norm_under_two_ranks(shared_ranks):
     """2 gloo ranks, each its half of every batch of 8 rows: the norm of the reduced
     gradient, the same on both ranks, equals the one-process loop's over batches of 16."""
-    from test_distributed import launch
-
-    worker = Path(__file__).with_name("grad_norm_worker.py")
-    code, output, _ = launch("", tmp_path, script=[str(worker), str(tmp_path)], limit=90)
-    assert code == 0, output[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    run = shared_ranks(str(Path(__file__).with_name("grad_norm_worker.py")))
+    assert run.code == 0, run.output[-3000:]
+    ranks = [torch.load(run.out / f"rank{r}.pt") for r in range(2)]
     assert ranks[0] == ranks[1]
     assert ranks[0] == pytest.approx(hand_norms(16), rel=1e-5)
 

@@ -17,8 +17,10 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import fitdp
 import fitdp.data.bucketing
+import fitdp.data.length_groups
 from fitdp.data.batch import DataBatch, DataDesc
-from fitdp.data.bucketing import BucketIterator, choose_buckets
+from fitdp.data.bucketing import BucketIterator
+from fitdp.data.length_groups import choose_buckets
 from fitdp.data.sources.protocol import DataSource, SourcePlan
 
 
@@ -297,8 +299,9 @@ def test_bad_epoch_or_state_raises_a_clear_error():
         choose_buckets([3, 0], 1)
 
 
-def test_docstring_examples_run():
-    assert doctest.testmod(fitdp.data.bucketing, extraglobs={"torch": torch}).failed == 0
+@pytest.mark.parametrize("module", [fitdp.data.bucketing, fitdp.data.length_groups])
+def test_docstring_examples_run(module):
+    assert doctest.testmod(module, extraglobs={"torch": torch}).failed == 0
 
 
 def test_per_token_labels_are_padded_with_label_pad():

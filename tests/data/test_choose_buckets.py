@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fitdp.data.bucketing
-from fitdp.data.bucketing import BucketIterator, StepCost, choose_buckets
+import fitdp.data.length_groups
+from fitdp.data.bucketing import BucketIterator
+from fitdp.data.length_groups import StepCost, choose_buckets
 
 
 def lognormal_lengths(n: int = 4000, seed: int = 0) -> list[int]:
@@ -33,7 +34,7 @@ def test_automatic_buckets_keep_padding_under_5_percent_on_lognormal_lengths():
     assert it.buckets == sorted(it.buckets) and it.buckets[-1] == max(lengths)
     assert it.default_bucket_key == max(lengths)
     assert it.padding_fraction <= 0.05
-    assert len(it.buckets) <= fitdp.data.bucketing.AUTO_MAX_BUCKETS
+    assert len(it.buckets) <= fitdp.data.length_groups.AUTO_MAX_BUCKETS
     counts = np.bincount(np.searchsorted(it.buckets, lengths), minlength=len(it.buckets))
     assert counts.min() >= 32  # no bucket is only a tiny batch
     pad = sum(b.data.numel() for b in it) - it.num_tokens
@@ -71,7 +72,7 @@ def every_plan(lengths: list[int], batch_size: int, max_buckets: int) -> list[li
 
 @settings(max_examples=80, deadline=None, database=None)
 @given(st.lists(st.integers(1, 8), min_size=1, max_size=40), st.integers(1, 6),
-       st.integers(1, 4), st.sampled_from([fitdp.data.bucketing.GRU_CPU_STEP_COST,
+       st.integers(1, 4), st.sampled_from([fitdp.data.length_groups.GRU_CPU_STEP_COST,
                                            StepCost(0, 0, 1), StepCost(5, 1, 0.1)]),
        st.sampled_from([0.0, 0.05, 0.2, 1.0]))
 def test_choose_buckets_is_the_exact_least_modelled_time(lengths, batch_size, max_buckets, cost,

@@ -14,18 +14,17 @@ import pytest
 import torch
 
 from tests.call.test_custom_step import _batches, _net, nt_xent
-from tests.distributed.test_distributed import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "custom_step_worker.py")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.ranks_script(WORKER)]
 
 
-def test_all_gather_across_two_ranks_equals_one_process_on_the_whole_batch(tmp_path):
+def test_all_gather_across_two_ranks_equals_one_process_on_the_whole_batch(shared_ranks):
     """Regression: under torchrun a custom step on fit(x) without y weighed every slice 0
     (counted targets of no labels), so nothing trained; all_gather across ranks untested."""
-    code, output, _ = launch("", tmp_path, limit=60, script=[WORKER, str(tmp_path)])
-    assert code == 0, output
-    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    run = shared_ranks(WORKER)  # the job's 2 ranks run custom_step_worker.py
+    assert run.code == 0, run.output
+    weights = torch.load(run.out / "weights.pt", weights_only=True)
     views = torch.randn(40, 2, 6, generator=torch.Generator().manual_seed(7))
     ref = _net(out=4)
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)

@@ -18,7 +18,10 @@ from torchmetrics.classification import MulticlassAccuracy
 import fitdp
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
-pytestmark = pytest.mark.distributed
+# The scenarios that succeed run one after the other in the same processes (as a user's
+# script fits several models), in the tests' shared job (tests/conftest.py's shared_ranks).
+GOOD = ("train", "train_local2", "metrics", "uninterrupted", "stop_with_checkpoint")
+pytestmark = [pytest.mark.distributed, pytest.mark.ranks_script(WORKER, "+".join(GOOD))]
 
 
 @dataclass(frozen=True)
@@ -95,17 +98,11 @@ def single_process(batch_size: int = 10, epochs: int = 2) -> fitdp.Model:
     return model
 
 
-# The scenarios that succeed share one 2-rank job, one after the other in the same processes
-# (as a user's script fits several models): each torchrun start costs ~10 s of the suite.
-GOOD = ("train", "train_local2", "metrics", "uninterrupted", "stop_with_checkpoint")
-
-
 @pytest.fixture(scope="module")
-def good_job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("good")
-    code, output, _ = launch("+".join(GOOD), out, limit=240)
-    assert code == 0, output
-    return out
+def good_job(shared_ranks):
+    run = shared_ranks(WORKER)  # the shared job's 2 ranks run worker.py's GOOD scenarios
+    assert run.code == 0, run.output
+    return run.out
 
 
 @pytest.mark.parametrize("scenario", ["train", "train_local2"])

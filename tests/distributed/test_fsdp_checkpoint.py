@@ -21,15 +21,15 @@ from fitdp.saving.checkpoint import load_checkpoint
 from fitdp.saving.sharded import load_sharded, save_sharded
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_checkpoint_worker.py")
+pytestmark = pytest.mark.ranks_script(WORKER)  # fsdp_checkpoint's run (the others launch)
 
 
 @pytest.fixture(scope="module")
-def fsdp_checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp-checkpoint")
-    code, output, _ = launch("", out, script=[WORKER, str(out)], limit=180)
-    assert code == 0, output
-    assert output.count("fsdp checkpoint done") == 2, output
-    return out, output
+def fsdp_checkpoint(shared_ranks):
+    run = shared_ranks(WORKER)  # the shared job's 2 ranks run fsdp_checkpoint_worker.py
+    assert run.code == 0, run.output
+    assert run.output.count("fsdp checkpoint done") == 2, run.output
+    return run.out, run.output
 
 
 @pytest.fixture(scope="module")

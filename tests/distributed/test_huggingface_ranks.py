@@ -18,27 +18,26 @@ import torch
 
 pytest.importorskip("transformers")  # the ranks run hf_worker.py, which imports it
 
-from tests.distributed.test_distributed import launch  # noqa: E402
 from tests.model.test_huggingface import CASES, hand_loop  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "hf_worker.py")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.ranks_script(WORKER)]
 
 
-def test_two_ranks_train_the_one_process_update_on_dict_batches(tmp_path):
+def test_two_ranks_train_the_one_process_update_on_dict_batches(shared_ranks):
     """DDP and FSDP2 on 2 ranks, BERT classification, GPT-2 with padding and token
     classification, and GPT-2 from a DataLoader of dicts: allclose 1e-5 with the hand loop;
     accuracy (per row, per labelled token, over the shifted pairs) and GPT-2's perplexity
     exact over the ranks."""
-    code, output, _ = launch("", tmp_path, limit=400, script=[WORKER, str(tmp_path)])
-    assert code == 0, output[-3000:]
+    job = shared_ranks(WORKER)  # the shared job's 2 ranks run hf_worker.py
+    assert job.code == 0, job.output[-3000:]
     runs = {f"{case}-{tag}": case for case in CASES for tag in ("ddp", "fsdp")}
     runs["gpt2-loader-ddp"] = "gpt2-causal-lm"
     for run, case in runs.items():
         make, data_of, loss_items = CASES[case]
         ref = make()
         history, whole_loss, whole_logits = hand_loop(ref, data_of(), loss_items)
-        got = assert_saved_run(tmp_path / f"{run}.pt", ref, history, whole_loss, whole_logits)
+        got = assert_saved_run(job.out / f"{run}.pt", ref, history, whole_loss, whole_logits)
         # Token metrics over the ranks (issue 38): what the hand computes on the logits
         logits, labels = got["logits"], data_of()["labels"]
         if loss_items == "causal_lm":  # transformers' causal LM loss pairs them shifted

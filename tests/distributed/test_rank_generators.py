@@ -6,21 +6,20 @@ import os
 
 import pytest
 import torch
-from test_distributed import launch
 
-pytestmark = pytest.mark.distributed
+WORKER = os.path.join(os.path.dirname(__file__), "rank_rng_worker.py")
+pytestmark = [pytest.mark.distributed, pytest.mark.ranks_script(WORKER)]
 
 
-def test_a_torchrun_resume_is_bitwise_when_the_ranks_draw_different_amounts(tmp_path):
+def test_a_torchrun_resume_is_bitwise_when_the_ranks_draw_different_amounts(shared_ranks):
     """Regression (issue 37 item 1): 2 ranks with dropout over padded batches of other
     lengths, BackupAndRestore(save_freq=3), a crash after step 5 and the rerun: the weights
     ended 0.05 off the uninterrupted run's and History differed (the backup held rank 0's
     generators, and every rank resumed from them)."""
-    worker = os.path.join(os.path.dirname(__file__), "rank_rng_worker.py")
-    code, output, _ = launch("", tmp_path, script=[worker, str(tmp_path)], limit=120)
-    assert code == 0 and output.count("done") == 2, output
-    want = torch.load(tmp_path / "uninterrupted.pt", weights_only=True)
-    got = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    run = shared_ranks(WORKER)  # the job's 2 ranks run rank_rng_worker.py
+    assert run.code == 0 and run.output.count("done") == 2, run.output
+    want = torch.load(run.out / "uninterrupted.pt", weights_only=True)
+    got = torch.load(run.out / "resumed.pt", weights_only=True)
     for key, value in want["weights"].items():
         assert torch.equal(got["weights"][key], value), key
     assert got["history"] == want["history"]

@@ -16,7 +16,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import fitdp
 
-pytestmark = pytest.mark.distributed
+WORKER = os.path.join(os.path.dirname(__file__), "reproducible_worker.py")
+pytestmark = [pytest.mark.distributed, pytest.mark.ranks_script(WORKER)]
 BATCH = 16  # the global batch
 G = torch.Generator().manual_seed(0)
 X = torch.randn(76, 6, generator=G)  # 4 full global batches and one of 12 rows
@@ -39,14 +40,11 @@ def fit_mlp(batch_size: int, devices: list[str], loads: list[float] | None) -> d
 
 
 @pytest.fixture(scope="module")
-def ranks_job(tmp_path_factory):
-    from test_distributed import launch
-    out = tmp_path_factory.mktemp("reproducible")
-    worker = os.path.join(os.path.dirname(__file__), "reproducible_worker.py")
-    code, output, _ = launch("", out, script=[worker, str(out)], limit=240)
-    assert code == 0, output
-    assert output.count("ddp ok") == 2 and output.count("local2 ok") == 2, output
-    return out
+def ranks_job(shared_ranks):
+    run = shared_ranks(WORKER)  # the shared job's 2 ranks run reproducible_worker.py
+    assert run.code == 0, run.output
+    assert run.output.count("ddp ok") == 2 and run.output.count("local2 ok") == 2, run.output
+    return run.out
 
 
 def same(a: Any, b: Any) -> bool:

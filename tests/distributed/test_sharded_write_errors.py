@@ -7,19 +7,19 @@ import errno
 import os
 
 import pytest
-from test_distributed import launch
 
-pytestmark = pytest.mark.distributed
 WORKER = os.path.join(os.path.dirname(__file__), "full_disk_worker.py")
+pytestmark = [pytest.mark.distributed, pytest.mark.ranks_script(WORKER)]
 
 
-def test_a_failed_write_on_one_rank_is_an_os_error_naming_the_folder_on_every_rank(tmp_path):
+def test_a_failed_write_on_one_rank_is_an_os_error_naming_the_folder_on_every_rank(
+        shared_ranks):
     """Was DCP's CheckpointException around torch's "[enforce fail at inline_container.cc]
     unexpected pos", with no path and no errno: DCP hands each rank's error to the others
     pickled, which dropped the OSError torch's error held as its context."""
-    code, output, _ = launch("", tmp_path, script=[WORKER, str(tmp_path / "c")], limit=90)
-    assert code == 0, output
+    run = shared_ranks(WORKER)  # the job's 2 ranks run full_disk_worker.py
+    assert run.code == 0, run.output
     want = f"caught OSError errno={errno.EFBIG} [Errno {errno.EFBIG}] File too large: " \
-           f"'{tmp_path / 'c' / 'step-3'}'"
-    assert output.count(want) == 2, output
-    assert not (tmp_path / "c" / "LATEST").exists()
+           f"'{run.out / 'step-3'}'"
+    assert run.output.count(want) == 2, run.output
+    assert not (run.out / "LATEST").exists()

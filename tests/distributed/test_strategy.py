@@ -97,24 +97,28 @@ def test_fsdp_blocks_by_class_or_by_size():
     assert _blocks(net, FSDP(min_params=1000)) == [net[1]]  # outermost large subtree only
 
 
+ENGINE_WORKER = os.path.join(os.path.dirname(__file__), "engine_worker.py")
+
+
 @pytest.fixture(scope="module")
-def sharded_job(tmp_path_factory):
-    """One 2-rank launch for every engine check (torchrun costs seconds per launch)."""
-    out = tmp_path_factory.mktemp("engines")
-    worker = os.path.join(os.path.dirname(__file__), "engine_worker.py")
-    code, output, _ = launch("", out, script=[worker, str(out)])
-    assert code == 0, output
-    assert output.count("engines ok") == 2 and output.count("sharded checkpoint ok") == 2, output
-    return out
+def sharded_job(shared_ranks):
+    """One 2-rank run for every engine check (in the tests' shared torchrun job)."""
+    run = shared_ranks(ENGINE_WORKER)
+    assert run.code == 0, run.output
+    assert run.output.count("engines ok") == 2 and \
+        run.output.count("sharded checkpoint ok") == 2, run.output
+    return run.out
 
 
 @pytest.mark.distributed
+@pytest.mark.ranks_script(ENGINE_WORKER)
 def test_ddp_and_fsdp_sum_uneven_ranks_into_the_whole_batch_gradient(sharded_job):
     """(The worker asserts the gradients; this names the check.)"""
     assert (sharded_job / "sync" / "LATEST").read_text() == "step-1"
 
 
 @pytest.mark.distributed
+@pytest.mark.ranks_script(ENGINE_WORKER)
 def test_a_two_rank_sharded_checkpoint_loads_in_one_process(sharded_job):
     """The folder 2 FSDP2 ranks wrote (shards of the model and of Adam's state, the second
     save at step 2 async) loads in a process with no process group as whole tensors: the

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-from test_distributed import launch
 from torch import nn
 
 import fitdp
@@ -22,13 +21,12 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def zero1_job(tmp_path_factory):
-    """One 2-rank launch for every check below (about 20 s on 2 cores)."""
-    out = tmp_path_factory.mktemp("zero1")
-    code, output, _ = launch("", out, script=[WORKER, str(out)], limit=150)
-    assert code == 0, output
-    assert output.count("zero1 done") == 2, output
-    return out, output
+def zero1_job(shared_ranks):
+    """One 2-rank run for every check below (in the tests' shared torchrun job)."""
+    run = shared_ranks(WORKER)
+    assert run.code == 0, run.output
+    assert run.output.count("zero1 done") == 2, run.output
+    return run.out, run.output
 
 
 def weights(out, name: str) -> dict[str, torch.Tensor]:
@@ -50,6 +48,7 @@ def one_process() -> fitdp.Model:
 
 
 @pytest.mark.distributed
+@pytest.mark.ranks_script(WORKER)
 def test_zero1_weights_equal_ddp_and_each_rank_holds_its_part(zero1_job):
     """AdamW with accumulation, clipping and a per-epoch StepLR: zero1's weights are ddp's bit
     for bit (the same summed gradients, the same per-parameter AdamW arithmetic, each rank
@@ -68,6 +67,7 @@ def test_zero1_weights_equal_ddp_and_each_rank_holds_its_part(zero1_job):
 
 
 @pytest.mark.distributed
+@pytest.mark.ranks_script(WORKER)
 def test_zero1_checkpoints_hold_the_whole_optimizer_state(zero1_job):
     """Rank 0's file (after every rank shared), every rank's sharded folder (mid-fit) and rank
     0's file after fit each hold AdamW's state of every parameter; a save on rank 0 alone
@@ -86,6 +86,7 @@ def test_zero1_checkpoints_hold_the_whole_optimizer_state(zero1_job):
 
 
 @pytest.mark.distributed
+@pytest.mark.ranks_script(WORKER)
 def test_zero1_resumes_mid_epoch_bitwise_on_two_ranks(zero1_job):
     """BackupAndRestore after every step (each rank sharing its part before rank 0 saves), a
     crash after step 3 of 4 (mid-epoch 1), the fit run again: it resumes from step 3 and ends
@@ -96,6 +97,7 @@ def test_zero1_resumes_mid_epoch_bitwise_on_two_ranks(zero1_job):
 
 
 @pytest.mark.distributed
+@pytest.mark.ranks_script(WORKER)
 @pytest.mark.parametrize("name", ["zero1-whole.ckpt", "zero1-sharded.ckpt"])
 def test_a_zero1_checkpoint_resumes_in_one_process(zero1_job, name):
     """Saved by 2 zero1 ranks at epoch 0's end, resumed by one process (strategy 'auto', the

@@ -76,9 +76,10 @@ def _draws_or_normalises(run: Run) -> bool:
 
 def _same_batches_as_one_process(run: Run) -> bool:
     """Under torchrun, DataLoaders and BucketIterators hand each rank whole batches
-    round-robin (distributed.md): a BucketIterator of half the batch groups other rows, and
-    padding cut per batch makes other shapes, so those are not one process's batches."""
-    return run.ranks == 1 or not (run.varlen or run.kind == "buckets")
+    round-robin (distributed.md): a BucketIterator (or group_by_length) of half the batch
+    groups other rows, and padding cut per batch makes other shapes, so those are not one
+    process's batches."""
+    return run.ranks == 1 or not (run.varlen or run.kind in ("buckets", "grouped"))
 
 
 def against_uninterrupted(run: Run) -> Promise | None:
@@ -111,12 +112,22 @@ CHECKPOINTING_REFUSAL = ("precision.md: 'On several CPU replicas that generator 
                          "the same of blocks that draw through a function (or exactness)")
 
 
-def may_refuse(run: Run) -> str | None:
-    """The docs' sentence when ``fit`` may refuse the drawn run before any step (a
-    ``ValueError`` naming ``activation_checkpointing``), else None."""
+BATCHNORM_ROW_REFUSAL = ("devices.md: 'A fit that would hand a training BatchNorm1d one row (a "
+                         "work_load_list that gives a device one row of a batch, or a last "
+                         "batch that does) is refused before anything changes'; issue 37 item "
+                         "7: a one-row tail micro-batch too")
+
+
+def may_refuse(run: Run) -> dict[str, str]:
+    """The refusals the docs allow ``fit`` of the drawn run before any step: a fragment of
+    the ``ValueError``'s message -> the docs' sentence (empty: none may refuse)."""
+    allowed = {}
     several = run.devices > 1 or (run.stop is not None and run.stop.devices > 1)
-    draws = run.randomness in ("dropout", "functional")
-    return CHECKPOINTING_REFUSAL if run.checkpointing and draws and several else None
+    if run.checkpointing and run.randomness in ("dropout", "functional") and several:
+        allowed["activation_checkpointing"] = CHECKPOINTING_REFUSAL
+    if run.randomness == "batchnorm":
+        allowed["cannot normalise one row"] = BATCHNORM_ROW_REFUSAL
+    return allowed
 
 
 def refuses(run: Run) -> str | None:

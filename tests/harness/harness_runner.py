@@ -88,6 +88,16 @@ class DictRows(Dataset):
         return {"tokens": self.tokens[i], "labels": self.labels[i]}
 
 
+def grouped_lengths(n: int = ROWS) -> list[int]:
+    """Each training row's length (its tokens before the padding): ``group_by_length``."""
+    return (rows(n, seed=1)[0] != 0).sum(1).tolist()
+
+
+def grouped_batches(batch_size: int) -> int:
+    """Batches per epoch of the training rows grouped by length (a short one per bucket)."""
+    return fitdp.BucketBatchSampler(grouped_lengths(), batch_size).num_batches
+
+
 def trim(items: list[Any]) -> Any:
     """Collate, then cut the padding to the batch's longest sequence (variable lengths)."""
     batch = torch.utils.data.default_collate(items)
@@ -115,6 +125,9 @@ def fit_data(run: Run, n: int = ROWS) -> dict[str, Any]:
         return {"x": {"tokens": tokens}, "y": labels, "batch_size": bs, "shuffle": run.shuffle}
     if kind == "dataset":
         return {"x": dataset, "batch_size": bs, "shuffle": run.shuffle}
+    if kind == "grouped":
+        return {"x": dataset, "batch_size": bs, "shuffle": run.shuffle, "collate_fn": collate,
+                "group_by_length": grouped_lengths()}
     if kind == "buckets":
         sequences = [t[t != 0] for t in tokens]
         return {"x": fitdp.BucketIterator(sequences, labels, batch_size=bs, buckets=[4, 7],

@@ -13,14 +13,15 @@ from dataclasses import asdict, dataclass, replace
 
 from hypothesis import strategies as st
 
-# Data kinds. "loader_*" are torch DataLoaders, "stateful_*" torchdata's StatefulDataLoader.
+# Data kinds. "loader_*" are torch DataLoaders, "stateful_*" torchdata's StatefulDataLoader,
+# "grouped" a Dataset with fit(group_by_length=...).
 RESUMABLE_KINDS = ("tensors", "dict", "dataset", "loader", "loader_generator",
                    "loader_sampler", "loader_workers", "stateful", "stateful_generator",
-                   "buckets")
+                   "buckets", "grouped")
 KINDS = (*RESUMABLE_KINDS, "generator")
 # Kinds whose batches may have another length per batch (padded to each batch's longest):
 # the model then draws another amount of random numbers per batch (and per rank).
-VARLEN_KINDS = ("loader", "loader_generator", "stateful", "buckets")
+VARLEN_KINDS = ("loader", "loader_generator", "stateful", "buckets", "grouped")
 # Kinds whose resume onto shorter data the harness draws (a StatefulDataLoader's is issue 37
 # item 11, a separate refusal).
 SHORTENABLE = ("tensors", "dict", "dataset", "loader")
@@ -81,11 +82,25 @@ class Run:
         return BATCH // self.ranks
 
     @property
+    def batches_per_epoch(self) -> int:
+        """Global batches per epoch (the same on any world size)."""
+        if self.kind == "grouped":  # a short batch per bucket: the sampler says how many
+            from harness_runner import grouped_batches
+
+            return -(-grouped_batches(self.batch) // self.ranks)
+        return -(-ROWS // BATCH)
+
+    @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch: the global batches (the same on any world size), by
-        ``accum``."""
-        batches = -(-ROWS // BATCH)
-        return -(-batches // self.accum)
+        """Optimizer steps per epoch: the global batches by ``accum`` (an epoch's last
+        batches, fewer than ``accum``, step too)."""
+        return -(-self.batches_per_epoch // self.accum)
+
+    @property
+    def last_step_after_a_batch(self) -> bool:
+        """An epoch's last step follows its last batch's end; else (fewer than ``accum``
+        batches left) it is taken as the epoch ends, after every batch's callbacks."""
+        return self.batches_per_epoch % self.accum == 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -119,6 +134,8 @@ def stops(draw: st.DrawFn, run: Run) -> Stop | None:
         step = steps_per_epoch * draw(st.integers(1, run.epochs))
     else:
         step = draw(st.integers(1, total))
+        if step % steps_per_epoch == 0 and not run.last_step_after_a_batch:
+            at = "epoch_end"  # no batch ends after that step
     how = draw(st.sampled_from(["checkpoint", "backup"]))
     if run.kind == "generator":
         how = "checkpoint"  # a backup of every N steps may be mid-epoch
@@ -145,7 +162,7 @@ def runs(draw: st.DrawFn, ranks: int = 1) -> Run:
                                 [k for k in RESUMABLE_KINDS if k != "loader_workers"]))
     if kind == "loader_workers" and draw(st.integers(0, 3)):  # workers are slow: rarely
         kind = "loader"
-    own_loss = kind in ("dict", "dataset", "loader", "stateful", "generator") and draw(
+    own_loss = kind in ("dict", "dataset", "loader", "stateful", "generator", "grouped") and draw(
         st.booleans())
     devices = draw(st.integers(1, 3)) if ranks == 1 else draw(st.integers(1, 2))
     randomness = draw(st.sampled_from(RANDOMNESS))

@@ -66,6 +66,11 @@ PINNED = {
     # than the first training batch ("expected inputs shaped like the training inputs")
     "per_batch_padded_validation_loader": Run(kind="loader_generator", varlen=True,
                                               epochs=1, validation=True),
+    # issue 38: rows grouped by length (fit(group_by_length=...)), resumed in epoch 1 on
+    # another device count
+    "grouped_rows_resumed_mid_epoch_1_on_other_devices": Run(
+        kind="grouped", varlen=True, devices=2, own_loss=True, validation=True,
+        stop=Stop(step=6, devices=3)),
 }
 
 

@@ -1,7 +1,9 @@
 """A fit that fails before its first optimizer step leaves the model as it found it (issue 37
 item 6): run position, counters, weights, BatchNorm statistics, optimizer state and the
 user's data source; and arguments that can be checked before the first step are (a path or
-file-name template that cannot work raises at the door, not after an epoch of training)."""
+file-name template that cannot work raises at the door, not after an epoch of training),
+while arguments that work together are not refused there (a collate_fn for rows of x with
+in-memory validation data)."""
 
 from __future__ import annotations
 
@@ -117,3 +119,28 @@ def test_paths_and_templates_are_checked_before_the_first_step(make, tmp_path):
     assert "got" in str(err.value) and "Fix:" in str(err.value), str(err.value)
     assert same(state(model), before)
     assert sorted(p.name for p in tmp_path.rglob("*")) == files
+
+
+ROWS = [{"x": x, "y": y} for x, y in zip(X, Y.tolist())]  # a list of rows: fitdp batches it
+
+
+def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([r["x"] for r in rows]), torch.tensor([r["y"] for r in rows])
+
+
+@pytest.mark.parametrize("validation", ["tuple", "loader"])
+def test_collate_fn_for_rows_with_validation_data_that_comes_batched(validation):
+    """Regression: fit(rows, collate_fn=f, validation_data=(vx, vy)) was a TypeError ("a
+    collate function together with validation_data of type Tensor"), though f batches rows
+    only: validation data fitdp does not batch is used as it is (HF Trainer's
+    data_collator also applies only where Trainer builds the DataLoader)."""
+    vx, vy = X[:12], Y[:12]
+    val = (vx, vy) if validation == "tuple" else torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(vx, vy), batch_size=4)
+    model = trained(FailingLoss(), ["cpu"])
+    history = model.fit(ROWS, batch_size=8, verbose=0, collate_fn=collate,
+                        validation_data=val, validation_batch_size=4)
+    assert history.history["val_loss"][0] == pytest.approx(
+        model.evaluate(vx, vy, batch_size=4, verbose=0)["loss"], rel=1e-6)
+    with pytest.raises(TypeError, match=r"^collate_fn: got a collate function together with x"):
+        model.fit(X, Y, verbose=0, collate_fn=collate)  # training data it cannot apply to

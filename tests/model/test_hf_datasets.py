@@ -12,6 +12,7 @@ even a collator that draws random numbers (MLM masking) gives the hand loop's ba
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -21,9 +22,11 @@ pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
 import fitdp  # noqa: E402
+from fitdp.callbacks import ModelCheckpoint  # noqa: E402
 from fitdp.checks import FitdpWarning  # noqa: E402
 from tests import hf_data  # noqa: E402
 from tests.model.test_huggingface import assert_resumes_bitwise  # noqa: E402
+from tests.model.test_resume_epoch import Stop  # noqa: E402
 
 BATCH, LR, SEED = 8, 0.5, 5
 TASKS = ["classify", "mlm", "tag"]
@@ -53,34 +56,53 @@ def mean_loss(net, task: str, seed: int, batch_size: int = BATCH) -> float:
     return total / count
 
 
-def hand_loop(task: str, batch_size: int = BATCH, per_step: int = 1
+def order(task: str, batch_size: int, epoch: int, grouped: bool) -> list[list[int]]:
+    """The rows of each batch of ``epoch``: in order, or grouped by length by the sampler
+    ``fit(group_by_length=True)`` uses (each row's ``input_ids`` length, seeded as fit)."""
+    data = rows(task)
+    if not grouped:
+        return [list(range(s, min(s + batch_size, len(data))))
+                for s in range(0, len(data), batch_size)]
+    sampler = fitdp.BucketBatchSampler([len(r["input_ids"]) for r in data], batch_size,
+                                       seed=SEED)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def hand_loop(task: str, batch_size: int = BATCH, per_step: int = 1, epochs: int = 1,
+              grouped: bool = False
               ) -> tuple[torch.nn.Module, list[float], float, torch.Tensor | None]:
-    """One device: the rows in order, collated per batch of ``batch_size`` (the collator's
-    draws from torch's generator seeded as ``fit(seed=SEED)`` seeds it), SGD on the model's
-    own loss over ``per_step`` batches at a time (each weighed by its items: the batches of
-    ``per_step`` torchrun ranks), then evaluate and the classifier's predicted logits."""
+    """One device: each epoch's batches of rows (``order``), collated per batch of
+    ``batch_size`` (the collator's draws from torch's generator seeded as ``fit(seed=SEED)``
+    seeds it), SGD on the model's own loss over ``per_step`` batches at a time (each weighed
+    by its items: the batches of ``per_step`` torchrun ranks), then evaluate and the
+    classifier's predicted logits."""
     net = hf_data.model(task)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     data, collate = rows(task), hf_data.collator(task)
     torch.manual_seed(SEED)
-    batches = [collate(data[s:s + batch_size]) for s in range(0, len(data), batch_size)]
-    total = count = 0.0
-    for start in range(0, len(batches), per_step):
-        group = batches[start:start + per_step]
-        counts = [items(b, task) for b in group]
-        opt.zero_grad()
-        losses = [net(**b).loss for b in group]
-        loss = sum(v * n for v, n in zip(losses, counts)) / sum(counts)
-        loss.backward()
-        opt.step()
-        total, count = total + loss.item() * sum(counts), count + sum(counts)
+    history = []
+    for epoch in range(epochs):
+        batches = [collate([data[i] for i in index])
+                   for index in order(task, batch_size, epoch, grouped)]
+        total = count = 0.0
+        for start in range(0, len(batches), per_step):
+            group = batches[start:start + per_step]
+            counts = [items(b, task) for b in group]
+            opt.zero_grad()
+            losses = [net(**b).loss for b in group]
+            loss = sum(v * n for v, n in zip(losses, counts)) / sum(counts)
+            loss.backward()
+            opt.step()
+            total, count = total + loss.item() * sum(counts), count + sum(counts)
+        history.append(total / count)
     net.eval()
     evaluated = mean_loss(net, task, seed=1, batch_size=batch_size)
     torch.manual_seed(2)
     with torch.no_grad():
         logits = torch.cat([net(**collate(data[s:s + BATCH])).logits
                             for s in range(0, len(data), BATCH)]) if task == "classify" else None
-    return net, [total / count], evaluated, logits
+    return net, history, evaluated, logits
 
 
 def compiled(task: str, **kw) -> fitdp.Model:
@@ -283,3 +305,75 @@ def test_a_bucket_iterator_takes_a_datasets_columns() -> None:
     assert a.buckets == b.buckets and a.per_token_labels
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x.data, y.data) and torch.equal(x.label, y.label)
+
+
+@pytest.mark.parametrize("task", ["mlm", "tag"])
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu"] * 2, ["cpu"] * 3])
+def test_rows_grouped_by_length_train_as_the_hand_loop_over_the_grouped_batches(task, devices):
+    """``fit(group_by_length=True)`` (Trainer's ``group_by_length``: each row's length from
+    its ``input_ids``, as transformers' LengthGroupedSampler reads it) batches rows of similar
+    length through the bucketing's sampler, shuffled by (seed, epoch): two epochs on 1-3
+    replicas equal the hand loop over the same batches (masked LM: random masks; tagger)."""
+    net, history, _, _ = hand_loop(task, epochs=2, grouped=True)
+    model, ds, collate = compiled(task), hf_data.dataset(task), hf_data.collator(task)
+    got = model.fit(ds, batch_size=BATCH, epochs=2, seed=SEED, verbose=0, devices=devices,
+                    collate_fn=collate, group_by_length=True)
+    for (name, p), q in zip(model.module.named_parameters(), net.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=name)
+    assert got.history["loss"] == pytest.approx(history, abs=1e-5)
+
+
+def test_rows_grouped_by_length_resume_mid_epoch_bitwise(tmp_path) -> None:
+    """Grouped MLM batches stopped in epoch 1 and resumed from the checkpoint: the
+    uninterrupted run's weights and History, bit for bit (the grouped order is drawn from
+    (seed, epoch) again, the masks of the batches before the stop collated again)."""
+    def run(callbacks, **kw):
+        model = compiled("mlm")
+        history = model.fit(hf_data.dataset("mlm"), batch_size=BATCH, epochs=2, seed=SEED,
+                            verbose=0, devices=["cpu", "cpu"], callbacks=callbacks,
+                            collate_fn=hf_data.collator("mlm"), group_by_length=True,
+                            **kw).history
+        return model, history
+
+    assert_resumes_bitwise(run, tmp_path)
+
+
+def test_a_grouped_mid_epoch_checkpoint_refuses_another_grouping(tmp_path) -> None:
+    """Batches grouped by length depend on the batch size: a mid-epoch checkpoint resumed
+    with another one (or without grouping) would train another order of the rows, some
+    twice; it is refused, naming both, before any weight moves."""
+    ckpt = str(tmp_path / "c-{step:03d}.ckpt")
+    model = compiled("tag")
+    fit = functools.partial(model.fit, hf_data.dataset("tag"), epochs=2, seed=SEED,
+                            verbose=0, devices=["cpu"], collate_fn=hf_data.collator("tag"))
+    with pytest.raises(KeyboardInterrupt):
+        fit(batch_size=BATCH, group_by_length=True,
+            callbacks=[ModelCheckpoint(ckpt, save_freq=1, monitor="loss"), Stop(2)])
+    saved = str(tmp_path / "c-002.ckpt")
+    for kw, now in (({"batch_size": 4, "group_by_length": True}, "rows grouped by length into "
+                                                                  "batches of 4"),
+                    ({"batch_size": BATCH}, "rows batched in order")):
+        resumed = compiled("tag")
+        before = _state(resumed)
+        with pytest.raises(fitdp.CheckpointError, match=rf"grouped by length into batches of "
+                                                  rf"{BATCH} .*this fit has {now}"):
+            resumed.fit(hf_data.dataset("tag"), epochs=2, seed=SEED, verbose=0,
+                        devices=["cpu"], collate_fn=hf_data.collator("tag"), resume=saved,
+                        **kw)
+        for k, v in resumed.module.state_dict().items():
+            assert torch.equal(v, before[k]), k
+
+
+def test_find_lr_takes_a_dataset_with_its_collator_and_grouping() -> None:
+    """find_lr reads data as fit does: a ``datasets.Dataset`` with ``collate_fn`` (it took
+    no collator before: a Hugging Face user could not sweep from the dataset), grouped by
+    length too; every step's loss is recorded and the model is put back as it was."""
+    model = compiled("tag")
+    before = _state(model)
+    finder = model.find_lr(hf_data.dataset("tag"), batch_size=BATCH, num_steps=5,
+                           devices=["cpu", "cpu"], seed=SEED, early_stop_threshold=None,
+                           collate_fn=hf_data.collator("tag"), group_by_length=True)
+    assert len(finder.lrs) == len(finder.losses) == 5
+    assert all(torch.isfinite(torch.tensor(finder.losses)))
+    for k, v in model.module.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -10,6 +10,7 @@ from torch.utils.data import IterableDataset
 
 from fitdp.checks import fail
 from fitdp.data.batch import DataBatch, tree_structure
+from fitdp.data.length_groups import BucketBatchSampler
 from fitdp.data.sources.convert import as_tensors
 from fitdp.data.sources.protocol import SourcePlan, past_end_problem, position_problem
 from fitdp.data.sources.tensors import epoch_generator, rebatched
@@ -100,6 +101,10 @@ class LoaderSource:
         except TypeError:
             self.num_samples = None
         self._stream_state: Any = None  # where a resumed stream continues
+        # Batches of rows grouped by length: their order depends on the batch size and the
+        # buckets, so a mid-epoch position is only valid with the same ones.
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        self.grouped = batch_sampler if isinstance(batch_sampler, BucketBatchSampler) else None
 
     @property
     def num_batches(self) -> int | None:
@@ -117,10 +122,10 @@ class LoaderSource:
             self.position, self._live = 0, None
 
     def _tell_epoch(self, epoch: int) -> None:
-        """The epoch, to the sampler and the stream that draw their order from it (as
-        ``DistributedSampler``), at every epoch and at a resume into one."""
+        """The epoch, to the sampler, batch sampler and stream that draw their order from it
+        (as ``DistributedSampler``), at every epoch and at a resume into one."""
         self.epoch = epoch
-        for owner in (getattr(self.loader, "sampler", None), self.stream):
+        for owner in (getattr(self.loader, "sampler", None), self.grouped, self.stream):
             if callable(getattr(owner, "set_epoch", None)):
                 owner.set_epoch(epoch)  # type: ignore[union-attr]
 
@@ -212,6 +217,8 @@ class LoaderSource:
         problem = position_problem(state, ("epoch", "position"), "a DataLoader or iterable")
         if problem or not continues:
             return problem
+        if state["position"] and (problem := _regrouped(state, self.grouped)):
+            return problem
         if not self.one_shot and (problem := past_end_problem(
                 state, rows=state.get("batch_size"), samples=self.num_samples,
                 batches=self.num_batches)):
@@ -278,6 +285,8 @@ class LoaderSource:
                  "samples": self.num_samples}
         if self.stream is not None:  # read after every optimizer step
             state["stream"] = self.stream.state_dict() if self._stateful() else None
+        if self.grouped is not None:
+            state["grouped"] = _grouping(self.grouped)
         pending = self._saved
         if pending is not None:  # loaded and not applied yet: saved again as it was
             state.update({k: pending[k] for k in ("generators", "generators_now", "loader",
@@ -303,6 +312,29 @@ class LoaderSource:
         self._stream_state = state.get("stream")
         self._saved = state
         self._live = None
+
+
+def _grouping(sampler: BucketBatchSampler) -> dict[str, Any]:
+    """What a length-grouped epoch's batches depend on besides (seed, epoch)."""
+    return {"batch_size": sampler.batch_size, "buckets": list(sampler.buckets)}
+
+
+def _regrouped(state: Mapping[str, Any], sampler: BucketBatchSampler | None) -> str | None:
+    """Why a mid-epoch ``state`` cannot continue with this fit's length grouping, or None:
+    the saved epoch was grouped into other batches (another batch size or buckets), or
+    only one of the two runs grouped its rows."""
+    saved, now = state.get("grouped"), None if sampler is None else _grouping(sampler)
+    if saved == now:
+        return None
+
+    def what(grouping: Any) -> str:
+        return ("rows batched in order" if grouping is None else f"rows grouped by length "
+                f"into batches of {grouping['batch_size']} (buckets {grouping['buckets']})")
+
+    return (f"it is a position {state['position']} batches into epoch {state['epoch']} of "
+            f"{what(saved)}, and this fit has {what(now)}: another order of the same rows. "
+            f"Fix: resume with the checkpoint's batch_size and group_by_length, or from a "
+            f"checkpoint saved at an epoch's end")
 
 
 def _generators(loader: Any) -> list[torch.Generator]:

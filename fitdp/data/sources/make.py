@@ -24,7 +24,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from fitdp.checks import check_number, fail
 from fitdp.data.batch import DataBatch, batch_length
+from fitdp.data.length_groups import BucketBatchSampler
 from fitdp.data.sources.convert import read_tensors, split_validation
+from fitdp.data.sources.grouping import row_lengths
 from fitdp.data.sources.hf_datasets import is_hf_dataset, is_map_style, stack_rows, without_unused
 from fitdp.data.sources.loaders import EpochSampler, LoaderSource
 from fitdp.data.sources.protocol import DataSource
@@ -65,6 +67,8 @@ class UserData:
         keep: the forward's argument names: a Hugging Face dataset's other columns are
             dropped (None keeps them).
         name: what to call the data in messages.
+        lengths: each row's length (``fit(group_by_length=...)``): rows are batched with
+            others of similar length (``BucketBatchSampler``); None batches them in order.
     """
 
     kind: Kind
@@ -76,6 +80,7 @@ class UserData:
     collate_fn: Callable[[list[Any]], Any] | None = None
     keep: frozenset[str] | None = None
     name: str = "x"
+    lengths: torch.Tensor | None = None
 
     def split(self, fraction: Any) -> tuple[UserData, UserData]:
         """Keras's ``validation_split``, cut from the converted tensors: the first
@@ -169,9 +174,16 @@ def _rows(data: UserData, how: Batching, rows: Any = None,
     """A map-style dataset (``rows``, else the user's) batched by a DataLoader fitdp builds,
     in an order drawn from (seed, epoch) alone."""
     rows = data.x if rows is None else rows
-    sampler = EpochSampler(_maybe_len(rows) or 0, seed=how.seed, shuffle=how.shuffle)
-    loader = DataLoader(rows, batch_size=how.batch_size, sampler=sampler,
-                        pin_memory=how.pin_memory, collate_fn=collate_fn or data.collate_fn)
+    collate_fn = collate_fn or data.collate_fn
+    if data.lengths is not None:  # batches of rows of similar length (group_by_length)
+        batches = BucketBatchSampler(data.lengths, how.batch_size, shuffle=how.shuffle,
+                                     seed=how.seed, name="group_by_length")
+        loader = DataLoader(rows, batch_sampler=batches, pin_memory=how.pin_memory,
+                            collate_fn=collate_fn)
+    else:
+        sampler = EpochSampler(_maybe_len(rows) or 0, seed=how.seed, shuffle=how.shuffle)
+        loader = DataLoader(rows, batch_size=how.batch_size, sampler=sampler,
+                            pin_memory=how.pin_memory, collate_fn=collate_fn)
     return _shared(data.loader(loader), how)
 
 
@@ -230,16 +242,31 @@ KINDS: tuple[DataKind, ...] = (
 )
 
 
+ROW_KINDS = (Kind.DATASET, Kind.HF, Kind.STREAM)  # batched by fitdp from rows
+
+
+def batched_from_rows(x: Any) -> bool:
+    """Whether fitdp batches ``x`` from its rows itself, so that a ``collate_fn`` applies.
+
+    Example:
+        >>> batched_from_rows([{"x": 1}]), batched_from_rows(torch.zeros(4, 2))
+        (True, False)
+    """
+    return _kind(x) in ROW_KINDS
+
+
 def read_data(x: Any, y: Any = None, sample_weight: Any = None, *, has_labels: bool = True,
               labels_optional: bool = False, name: str = "x",
               collate_fn: Callable[[list[Any]], Any] | None = None,
-              keep: frozenset[str] | None = None) -> UserData:
+              keep: frozenset[str] | None = None, group_by_length: Any = False) -> UserData:
     """Classify what a user passed, once, and convert and check in-memory data, once.
 
     Args:
         x, y, sample_weight, has_labels, labels_optional, name, collate_fn: as in
             ``make_source``.
         keep: the forward's argument names (``UserData.keep``).
+        group_by_length: ``fit``'s: False, or how to read each row's length
+            (``row_lengths``), for rows fitdp batches (a map-style dataset).
 
     Raises:
         ValueError: empty data, lengths that differ, targets given twice, a NaN or an
@@ -253,6 +280,8 @@ def read_data(x: Any, y: Any = None, sample_weight: Any = None, *, has_labels: b
     kind = _kind(x)
     if collate_fn is not None:
         _check_collate(collate_fn, kind, x, name)
+    if group_by_length is not None and group_by_length is not False:
+        _check_groupable(kind, x, name)
     if kind is Kind.TENSORS:
         x, y, sample_weight = read_tensors(x, y, sample_weight, has_labels=has_labels,
                                            labels_optional=labels_optional, name=name)
@@ -267,7 +296,26 @@ def read_data(x: Any, y: Any = None, sample_weight: Any = None, *, has_labels: b
     if kind is Kind.BATCHES and _maybe_len(x) == 0:
         fail(name, f"an empty {type(x).__name__}", "at least one batch", described=True)
     return UserData(kind, x, has_labels=has_labels, labels_optional=labels_optional,
-                    collate_fn=collate_fn, keep=keep, name=name)
+                    collate_fn=collate_fn, keep=keep, name=name,
+                    lengths=row_lengths(x, group_by_length, name=name))
+
+
+def _check_groupable(kind: Kind, x: Any, name: str) -> None:
+    """``group_by_length``: for rows fitdp batches and can read in any order (a TypeError for
+    data that comes batched, in-memory tensors and streams)."""
+    if kind is Kind.DATASET or (kind is Kind.HF and is_map_style(x)):
+        return
+    fix = {Kind.SOURCE: "a BucketIterator groups its sequences by length itself: drop "
+           "group_by_length", Kind.TENSORS: "in-memory tensors have one length: pass a "
+           "Dataset or a list of rows of different lengths with a collate_fn",
+           Kind.BATCHES: "pass the dataset itself, or give your DataLoader "
+           "batch_sampler=fitdp.BucketBatchSampler(lengths, batch_size)"}.get(
+               kind, "a stream has no random access: pass a map-style dataset")
+    what = "a datasets.IterableDataset" if kind is Kind.HF else kind.value
+    fail("group_by_length", f"length grouping together with {name} of type "
+         f"{type(x).__name__} ({what})", "a map-style dataset whose rows fitdp batches (a "
+         "datasets.Dataset, a torch Dataset or a list of rows)", fix, error=TypeError,
+         described=True)
 
 
 def _check_collate(collate_fn: Any, kind: Kind, x: Any, name: str) -> None:
@@ -275,7 +323,7 @@ def _check_collate(collate_fn: Any, kind: Kind, x: Any, name: str) -> None:
     if not callable(collate_fn):
         fail("collate_fn", collate_fn, "a callable that makes one batch of a list of rows "
              "(a DataCollatorWithPadding, or your own function)", error=TypeError)
-    if kind not in (Kind.DATASET, Kind.HF, Kind.STREAM):
+    if kind not in ROW_KINDS:
         fail("collate_fn", f"a collate function together with {name} of type "
              f"{type(x).__name__} ({kind.value}), which fitdp does not batch",
              "collate_fn with a Dataset, a list of rows, an IterableDataset or a Hugging Face "
