@@ -13,8 +13,6 @@ steps.
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import functools
 import itertools
 import sys
@@ -33,8 +31,8 @@ from fitdp.call.modes import Modes
 from fitdp.call.monitor import Monitor
 from fitdp.call.plan import CallPlan, FitPlan
 from fitdp.call.replicas import Replicas
+from fitdp.call.restore_points import CallStart, StepStart
 from fitdp.call.run_state import RunState
-from fitdp.call.step_start import StepStart
 from fitdp.call.throughput import Throughput
 from fitdp.callbacks import CallbackList
 from fitdp.callbacks.base import is_log_point
@@ -680,33 +678,6 @@ class Session:
         if self.monitor is not None:
             self.monitor.remove()
             self.mgr.monitor = None
-
-
-class CallStart:
-    """What a call that fails before its first optimizer step must leave as it found: the
-    run's position and flags (``fit`` resets them when it starts), the optimizer's
-    hyperparameters (a callback's ``on_epoch_begin`` sets the rate) and the user's training
-    source. Kept once per call; the buffers the failed first forward moved are
-    ``StepStart``'s, and the weights need no copy (no step, no change to them)."""
-
-    def __init__(self, run: RunState, compiled: Compiled | None, plan: CallPlan) -> None:
-        self.run = dataclasses.replace(run)
-        self._live_run = run
-        training = isinstance(plan, FitPlan)
-        optimizer = compiled.optimizer if training and compiled is not None else None
-        self.groups = [] if optimizer is None else [
-            (group, {k: copy.copy(v) for k, v in group.items() if k != "params"})
-            for group in optimizer.param_groups]
-        self.source = plan.source if training and plan.user_source else None
-        self.position = self.source.state_dict() if self.source is not None else None
-
-    def restore(self) -> None:
-        for field in dataclasses.fields(self.run):
-            setattr(self._live_run, field.name, getattr(self.run, field.name))
-        for group, values in self.groups:
-            group.update(values)
-        if self.source is not None and self.position is not None:
-            self.source.load_state_dict(self.position)
 
 
 def _host_copier(replicas: Replicas) -> Callable[[torch.Tensor], torch.Tensor]:

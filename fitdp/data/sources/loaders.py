@@ -105,6 +105,9 @@ class LoaderSource:
         # buckets, so a mid-epoch position is only valid with the same ones.
         batch_sampler = getattr(loader, "batch_sampler", None)
         self.grouped = batch_sampler if isinstance(batch_sampler, BucketBatchSampler) else None
+        # (what the epoch's batches depend on besides (seed, epoch), saved with the position)
+        self.grouping = None if self.grouped is None else {
+            "batch_size": self.grouped.batch_size, "buckets": list(self.grouped.buckets)}
 
     @property
     def num_batches(self) -> int | None:
@@ -217,7 +220,7 @@ class LoaderSource:
         problem = position_problem(state, ("epoch", "position"), "a DataLoader or iterable")
         if problem or not continues:
             return problem
-        if state["position"] and (problem := _regrouped(state, self.grouped)):
+        if state["position"] and (problem := _regrouped(state, self.grouping)):
             return problem
         if not self.one_shot and (problem := past_end_problem(
                 state, rows=state.get("batch_size"), samples=self.num_samples,
@@ -285,8 +288,8 @@ class LoaderSource:
                  "samples": self.num_samples}
         if self.stream is not None:  # read after every optimizer step
             state["stream"] = self.stream.state_dict() if self._stateful() else None
-        if self.grouped is not None:
-            state["grouped"] = _grouping(self.grouped)
+        if self.grouping is not None:
+            state["grouped"] = self.grouping
         pending = self._saved
         if pending is not None:  # loaded and not applied yet: saved again as it was
             state.update({k: pending[k] for k in ("generators", "generators_now", "loader",
@@ -314,16 +317,11 @@ class LoaderSource:
         self._live = None
 
 
-def _grouping(sampler: BucketBatchSampler) -> dict[str, Any]:
-    """What a length-grouped epoch's batches depend on besides (seed, epoch)."""
-    return {"batch_size": sampler.batch_size, "buckets": list(sampler.buckets)}
-
-
-def _regrouped(state: Mapping[str, Any], sampler: BucketBatchSampler | None) -> str | None:
+def _regrouped(state: Mapping[str, Any], now: dict[str, Any] | None) -> str | None:
     """Why a mid-epoch ``state`` cannot continue with this fit's length grouping, or None:
     the saved epoch was grouped into other batches (another batch size or buckets), or
     only one of the two runs grouped its rows."""
-    saved, now = state.get("grouped"), None if sampler is None else _grouping(sampler)
+    saved = state.get("grouped")
     if saved == now:
         return None
 

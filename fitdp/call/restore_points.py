@@ -1,4 +1,6 @@
-"""The replicas' buffers as the running optimizer step found them, put back if it fails.
+"""What a failed call puts back: the call's start when it took no optimizer step
+(``CallStart``), and the replicas' buffers as the running optimizer step found them
+(``StepStart``).
 
 A training forward moves BatchNorm's running statistics (and any buffer a module updates in
 place: spectral norm's vectors, a MoCo queue) before its loss, backward or metric can fail,
@@ -18,11 +20,17 @@ BatchNorm CNN's CPU step.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+
+from fitdp.call.plan import CallPlan, FitPlan
+from fitdp.call.run_state import RunState
+from fitdp.compiled.setup import Compiled
 
 
 class StepStart:
@@ -70,9 +78,9 @@ class StepStart:
         self.live, self.kept = [self.live[i] for i in keep], [kept[i] for i in keep]
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor],
                                                              list[torch.Tensor]]] = {}
-        for copy, t in zip(self.kept, self.live):
+        for kept_copy, t in zip(self.kept, self.live):
             group = groups.setdefault((t.device, t.dtype), ([], []))
-            group[0].append(copy)
+            group[0].append(kept_copy)
             group[1].append(t)
         self.groups, self.versions = list(groups.values()), None
 
@@ -82,3 +90,30 @@ class StepStart:
         if self.step == step and self.kept:
             with torch.no_grad():
                 torch._foreach_copy_(self.live, self.kept)
+
+
+class CallStart:
+    """What a call that fails before its first optimizer step must leave as it found: the
+    run's position and flags (``fit`` resets them when it starts), the optimizer's
+    hyperparameters (a callback's ``on_epoch_begin`` sets the rate) and the user's training
+    source. Kept once per call; the buffers the failed first forward moved are
+    ``StepStart``'s, and the weights need no copy (no step, no change to them)."""
+
+    def __init__(self, run: RunState, compiled: Compiled | None, plan: CallPlan) -> None:
+        self.run = dataclasses.replace(run)
+        self._live_run = run
+        training = isinstance(plan, FitPlan)
+        optimizer = compiled.optimizer if training and compiled is not None else None
+        self.groups = [] if optimizer is None else [
+            (group, {k: copy.copy(v) for k, v in group.items() if k != "params"})
+            for group in optimizer.param_groups]
+        self.source = plan.source if training and plan.user_source else None
+        self.position = self.source.state_dict() if self.source is not None else None
+
+    def restore(self) -> None:
+        for field in dataclasses.fields(self.run):
+            setattr(self._live_run, field.name, getattr(self.run, field.name))
+        for group, values in self.groups:
+            group.update(values)
+        if self.source is not None and self.position is not None:
+            self.source.load_state_dict(self.position)

@@ -1,4 +1,4 @@
-"""Which buffers ``StepStart`` copies at each optimizer step (``fitdp/call/step_start.py``):
+"""Which buffers ``StepStart`` copies at each optimizer step (``fitdp/call/restore_points.py``):
 every one at the call's first step, then only those a step writes to."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fitdp.call.step_start import StepStart
+from fitdp.call.restore_points import StepStart
 
 
 class Counter(nn.Module):
