@@ -188,16 +188,20 @@ class Replicas:
             self.engine.share_optimizer(compiled.optimizer)
 
     def own_buffers(self) -> dict[str, list[torch.Tensor]] | None:
-        """The floating buffers whose replicas differ (BatchNorm statistics between epoch
-        ends: each replica updates its own from its slice), one copy per replica; None when
-        they all agree. A checkpoint keeps them so that a resume in the middle of an epoch
-        continues bit for bit (the saved module holds their average). Costs a comparison
-        per buffer at each save."""
+        """The buffers whose replicas differ (BatchNorm statistics between epoch ends: each
+        replica updates its own from its slice; its ``num_batches_tracked`` too, which a
+        replica given an empty slice does not count), one copy per replica; None when
+        they all agree. Under torchrun every buffer: each rank's replicas update theirs from
+        the rank's own batches (the session keeps every rank's, ``Session.buffers``). A
+        checkpoint keeps them so that a resume in the middle of an epoch continues bit for
+        bit (the saved module holds their average). Costs a comparison per buffer at each
+        save."""
         mgr = self.manager
+        every = mgr.distributed
         own = {name: [t.detach().clone() for t in block]
                for name, block in zip(mgr.aux_names, mgr.aux_arrays)
-               if len(block) > 1 and block[0].is_floating_point()
-               and any(not torch.equal(block[0], t) for t in block[1:])}
+               if every or (len(block) > 1
+                            and any(not torch.equal(block[0], t) for t in block[1:]))}
         return own or None
 
     def load_own_buffers(self, own: dict[str, list[torch.Tensor]]) -> None:

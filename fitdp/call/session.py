@@ -75,6 +75,8 @@ class Session:
         # Each rank's own generators and data position, gathered before rank 0 saves.
         self.rng = RankStates(RNG, plan.ranks, "random generators")
         self.position = RankStates(self.data_position(), plan.ranks, "data positions")
+        self.buffers = RankStates(Entry(replicas.own_buffers, replicas.load_own_buffers),
+                                  plan.ranks, "BatchNorm statistics", rank0_elsewhere=False)
         self.distributed = plan.ranks.enabled  # (read at every step boundary)
         self.manual = compiled is not None and compiled.manual
         if self.custom is not None and self.custom.meeting is not None:

@@ -128,8 +128,10 @@ class ModelIO:
             module = self.module
             objects["module"] = Entry(lambda: replicas.sharded_weights(module),
                                       whole.load_state_dict)
+        session = self._session
         if replicas is not None:  # after "module": it loads the replicas with the average
-            objects["replica_buffers"] = Entry(replicas.own_buffers, replicas.load_own_buffers)
+            objects["replica_buffers"] = session.buffers if session is not None else Entry(
+                replicas.own_buffers, replicas.load_own_buffers)  # (each rank's, in a fit)
             # The measured loads and the slow-replicas check: a resume splits each batch so.
             manager = replicas.manager
             objects["measures"] = Entry(manager.measures, manager.load_measures)
@@ -142,7 +144,6 @@ class ModelIO:
                 if getattr(compiled, key) is not None:
                     objects[key] = getattr(compiled, key)
         objects["run"] = self.run
-        session = self._session
         if session is not None and isinstance(session.plan, FitPlan):
             objects["data"] = session.position
             objects["logs"] = session.epoch_logs
@@ -163,8 +164,9 @@ class ModelIO:
         session = self._session
         if session is not None and isinstance(session.plan, FitPlan):
             session.epoch_logs.share()
-            session.rng.share()  # and every rank's generators and data position
+            session.rng.share()  # and every rank's generators, data position and buffers
             session.position.share()
+            session.buffers.share()
 
     def save(self, path: str | os.PathLike[str], *, async_save: bool = False,
              sharded: bool | None = None) -> None:

@@ -126,8 +126,12 @@ class RankStates:
         {'n': 7}
     """
 
-    def __init__(self, entry: Any, ranks: Any, what: str = "") -> None:
+    def __init__(self, entry: Any, ranks: Any, what: str = "", *,
+                 rank0_elsewhere: bool = True) -> None:
         self.entry, self.ranks, self.what = entry, ranks, what
+        # On another number of ranks every rank takes rank 0's state, or (False) loads
+        # none and keeps what the checkpoint's other entries gave it (an average).
+        self.rank0_elsewhere = rank0_elsewhere
         self.shared: list[Any] | None = None  # every rank's state at the last share
 
     def share(self) -> None:
@@ -160,12 +164,15 @@ class RankStates:
         saved = len(parts) if isinstance(parts, list) else 1
         if (saved != self.ranks.world_size and self.ranks.is_main and isinstance(parts, list)
                 and any(not _same(p, parts[0]) for p in parts)):
+            start = "rank 0's" if self.rank0_elsewhere else "their average"
             warnings.warn(
                 f"resume: the checkpoint holds the {self.what} of {saved} ranks, which "
                 f"differ, and this run has {self.ranks.world_size}: every rank starts from "
-                f"rank 0's, so random draws (dropout, augmentation) are not the saved run's. "
-                f"Fix: resume on {saved} ranks to continue it exactly (docs/checkpoints.md).",
+                f"{start}, so the run does not continue the saved one exactly. Fix: resume "
+                f"on {saved} ranks to continue it exactly (docs/checkpoints.md).",
                 FitdpWarning, stacklevel=2)
+        if saved != self.ranks.world_size and not self.rank0_elsewhere:
+            return
         self.entry.load_state_dict(self._part(state))
 
 

@@ -118,15 +118,24 @@ BATCHNORM_ROW_REFUSAL = ("devices.md: 'A fit that would hand a training BatchNor
                          "7: a one-row tail micro-batch too")
 
 
+REGROUPED_REFUSAL = ("data.md: 'A checkpoint taken in the middle of a grouped epoch resumes "
+                     "exactly ..., and only with the same batch_size and grouping: another one "
+                     "would group the rows into other batches, and is a CheckpointError naming "
+                     "both' (another world size gives each rank another batch size)")
+
+
 def may_refuse(run: Run) -> dict[str, str]:
-    """The refusals the docs allow ``fit`` of the drawn run before any step: a fragment of
-    the ``ValueError``'s message -> the docs' sentence (empty: none may refuse)."""
+    """The refusals the docs allow ``fit`` of the drawn run (or its resume) before any step:
+    a fragment of the ``ValueError``'s or ``CheckpointError``'s message -> the docs'
+    sentence (empty: none may refuse)."""
     allowed = {}
     several = run.devices > 1 or (run.stop is not None and run.stop.devices > 1)
     if run.checkpointing and run.randomness in ("dropout", "functional") and several:
         allowed["activation_checkpointing"] = CHECKPOINTING_REFUSAL
     if run.randomness == "batchnorm":
         allowed["cannot normalise one row"] = BATCHNORM_ROW_REFUSAL
+    if run.kind == "grouped" and run.stop is not None and run.stop.ranks != run.ranks:
+        allowed["another order of the same rows"] = REGROUPED_REFUSAL
     return allowed
 
 

@@ -15,6 +15,8 @@ from harness_runner import interrupted, uninterrupted
 from harness_runs import Run, Stop, runs
 from hypothesis import given
 
+from fitdp import CheckpointError
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -30,7 +32,7 @@ def check(run: Run) -> None:
     with tempfile.TemporaryDirectory() as folder:
         try:
             drawn = interrupted(run, folder) if run.stop else uninterrupted(run)
-        except ValueError as err:
+        except (ValueError, CheckpointError) as err:
             assert_refusal_allowed(run, err)
             return
     judge(run, drawn)
@@ -71,6 +73,12 @@ PINNED = {
     "grouped_rows_resumed_mid_epoch_1_on_other_devices": Run(
         kind="grouped", varlen=True, devices=2, own_loss=True, validation=True,
         stop=Stop(step=6, devices=3)),
+    # found by the long draw: grouped batches of 1-2 rows leave a replica of 3 an empty
+    # slice, which its BatchNorm's num_batches_tracked does not count; a checkpoint kept
+    # only the floating buffers per replica, so the resumed run's count was 1 off
+    "grouped_rows_on_3_replicas_resumed_keep_each_replicas_batch_count": Run(
+        kind="grouped", devices=3, randomness="batchnorm", epochs=3,
+        stop=Stop(step=5, devices=3)),
 }
 
 

@@ -19,6 +19,8 @@ from harness_runs import Run, Stop, runs
 from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
+from fitdp import CheckpointError
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
 from test_distributed import launch  # noqa: E402
 
@@ -34,7 +36,14 @@ ITEM1_PER_RANK_DRAWS = Run(kind="loader", varlen=True, ranks=2, randomness="drop
 REPRODUCIBLE_TO_ONE_PROCESS = Run(kind="tensors", ranks=2, randomness="dropout",
                                   reproducible=True, accum=2,
                                   stop=Stop(step=3, ranks=1))
-PINNED = [ITEM1_PER_RANK_DRAWS, REPRODUCIBLE_TO_ONE_PROCESS]
+# Found by the long draw: BatchNorm on 2 ranks, a backup after step 1 (mid-epoch): each
+# rank's running statistics are its own there, and the checkpoint held their average only
+# (one replica per rank has no replica_buffers), so the resumed run's statistics and
+# val_loss differed.
+BATCHNORM_PER_RANK_MID_EPOCH = Run(kind="buckets", ranks=2, randomness="batchnorm", accum=2,
+                                   validation=True,
+                                   stop=Stop(step=1, how="backup", every=1, ranks=2))
+PINNED = [ITEM1_PER_RANK_DRAWS, REPRODUCIBLE_TO_ONE_PROCESS, BATCHNORM_PER_RANK_MID_EPOCH]
 
 
 @settings(max_examples=max(1, settings().max_examples // 30),
@@ -62,7 +71,7 @@ def test_drawn_two_rank_runs_keep_what_the_docs_promise(drawn: list[Run]) -> Non
                             raise ValueError(got["refused"])
                         if "drawn" not in got and run.stop is not None:
                             got["drawn"] = resume_part(run, folder)  # on one process
-                    except ValueError as err:
+                    except (ValueError, CheckpointError) as err:
                         assert_refusal_allowed(run, err)
                         continue
                     judge(run, got.get("drawn", got.get("uninterrupted")),
